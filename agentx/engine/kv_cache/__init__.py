@@ -1,0 +1,27 @@
+"""Paged KV cache: block pool, prefix cache, per-attention-type managers and their facade."""
+
+from agentx.engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes, hash_block
+from agentx.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from agentx.engine.kv_cache.specs import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheLayout,
+    KVCacheSpec,
+)
+
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "FreeBlockQueue",
+    "FullAttentionSpec",
+    "KVBlock",
+    "KVCacheBlocks",
+    "KVCacheGroup",
+    "KVCacheLayout",
+    "KVCacheManager",
+    "KVCacheSpec",
+    "PrefixCacheStats",
+    "extend_block_hashes",
+    "hash_block",
+]

@@ -1,0 +1,184 @@
+"""The block pool: every KV page of the engine, its reference counts and the prefix-cache index.
+
+The pool knows blocks, hashes and reference counts; it does not know requests, attention types
+or tensors. Layout of the free queue (intrusive doubly-linked list, O(1) everywhere)::
+
+    head -> [never cached / dead blocks ...][cached blocks, least recently freed first] <- tail
+            reused first                     evicted (hash dropped) only when popped
+
+A block with ``ref_cnt == 0`` is in the free queue; one with ``ref_cnt > 0`` is not. A block that
+holds cached content keeps its hash while free, so a later request can revive it with ``touch``.
+Block 0 is the null block: never allocated, used as padding in block tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from agentx.engine.kv_cache.hashing import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    prev_free: KVBlock | None = field(default=None, repr=False)
+    next_free: KVBlock | None = field(default=None, repr=False)
+    is_null: bool = False
+
+
+class FreeBlockQueue:
+    """Doubly-linked list of free blocks threaded through the blocks themselves."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("no free block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVBlock) -> None:
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVBlock, block: KVBlock) -> None:
+        nxt = prev.next_free
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = block
+        nxt.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def get_block_ids(self) -> list[int]:
+        return [b.block_id for b in self]
+
+
+class BlockPool:
+    """All KV blocks, the free queue and the hash -> block index of cached blocks."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.null_block.ref_cnt = 1  # permanently held so it never enters the free queue
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of allocatable blocks held by a request (cached free blocks count as free)."""
+        total = self.num_blocks - 1
+        return (total - self.num_free_blocks) / total
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def allocate_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Pop ``num_blocks`` blocks off the free queue (evicting their cached content)."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block, reviving free cached blocks."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in the order given (that is the eviction order).
+
+        Blocks reaching zero references that hold no cached content go to the queue's front,
+        so they are reused before blocks a later request could still hit.
+        """
+        for block in blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Publish a full, computed block under ``block_hash`` (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return  # another request computed the same content; this copy stays private
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self.blocks[1:]:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        free = list(self.free_queue)
+        assert len(free) == self.num_free_blocks, "free count drifted from the queue"
+        free_ids = {b.block_id for b in free}
+        assert len(free_ids) == len(free), "a block is twice in the free queue"
+        assert 0 not in free_ids, "the null block is in the free queue"
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+            assert (block.ref_cnt == 0) == (block.block_id in free_ids), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} disagrees with the free queue"
+            )
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"block {block.block_id} hash index is stale"
+        num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        assert num_hashed == len(self.cached), "a hashed block is missing from the index"

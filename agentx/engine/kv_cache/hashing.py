@@ -1,0 +1,45 @@
+"""Block hashes: the key of a full block in the prefix cache, in every tier.
+
+A block's hash covers its parent's hash, its own token ids and extra keys (an isolation salt,
+later a LoRA or multimodal id), so equal hashes mean equal prefixes, not merely equal blocks.
+The digest is stable across processes (no ``hash()`` randomisation), which the disk and Mooncake
+tiers rely on to share blocks between engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+_DIGEST_BYTES = 16
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    h.update(parent or b"\0" * _DIGEST_BYTES)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra_keys)
+    return h.digest()
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: bytes = b"",
+) -> None:
+    """Append the hashes of every newly full block of ``token_ids`` to ``block_hashes``.
+
+    ``block_hashes`` already covers the first ``len(block_hashes)`` blocks; a trailing partial
+    block is not hashed (its content is not final).
+    """
+    num_full = len(token_ids) // block_size
+    parent = block_hashes[-1] if block_hashes else None
+    for i in range(len(block_hashes), num_full):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        block_hashes.append(parent)

@@ -1,0 +1,175 @@
+"""Parallel-aware building blocks: linear layers sharded across the tensor-parallel group.
+
+Each layer owns only its shard and knows how to cut its shard out of a full checkpoint tensor
+(``load``), so loaders stay ignorant of parallelism:
+
+    ColumnParallelLinear   output features split across ranks (no communication)
+    RowParallelLinear      input features split; partial outputs all-reduced
+    VocabParallelEmbedding vocabulary rows split; lookups outside the shard give zeros, summed
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from agentx import kernels
+from agentx.engine.models.spec import RopeScaling
+from agentx.engine.parallel import ParallelState
+
+
+def _shard(full: torch.Tensor, dim: int, parallel: ParallelState) -> torch.Tensor:
+    size = full.shape[dim] // parallel.tp_size
+    return full.narrow(dim, parallel.tp_rank * size, size)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b), W split by output rows. ``output_sizes`` names the fused parts
+    (e.g. q, k, v), each split on its own so a rank gets its slice of every part."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        parallel: ParallelState,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.output_sizes = [s // parallel.tp_size for s in output_sizes]
+        out = sum(self.output_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
+        target = self.weight if name == "weight" else self.bias
+        offset = sum(self.output_sizes[:part])
+        size = self.output_sizes[part]
+        target.data.narrow(0, offset, size).copy_(_shard(full, 0, self.parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        parallel: ParallelState,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        shard_in = in_features // parallel.tp_size
+        self.weight = nn.Parameter(
+            torch.empty(out_features, shard_in, dtype=dtype), requires_grad=False
+        )
+
+    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
+        self.weight.data.copy_(_shard(full, 1, self.parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce(nn.functional.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        parallel: ParallelState,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.shard_size = -(-vocab_size // parallel.tp_size)
+        self.vocab_start = parallel.tp_rank * self.shard_size
+        self.weight = nn.Parameter(
+            torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False
+        )
+
+    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
+        rows = full[self.vocab_start : self.vocab_start + self.shard_size]
+        self.weight.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return nn.functional.embedding(token_ids, self.weight)
+        local = token_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.parallel.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary shard of this rank, gathered to the full vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState, dtype) -> None:
+        super().__init__(vocab_size, hidden_size, parallel, dtype)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(hidden, self.weight)  # (N, shard)
+        return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
+        self.weight.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE with a precomputed (max_position, head_dim) cos|sin table."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None
+    ) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # (max_position, D/2)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            kernels.apply_rotary(q, positions, self.cos_sin_cache),
+            kernels.apply_rotary(k, positions, self.cos_sin_cache),
+        )
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {scaling.kind!r}")
+    # Llama 3: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp between.
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    mid = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    return torch.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), mid, out)

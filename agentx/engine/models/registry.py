@@ -1,0 +1,20 @@
+"""Model classes by architecture name (``ModelSpec.architecture``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from agentx.engine.models.llama import LlamaForCausalLM
+from agentx.errors import ModelLoadError
+
+MODELS: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODELS[architecture]
+    except KeyError:
+        known = ", ".join(sorted(MODELS))
+        raise ModelLoadError(f"unsupported architecture {architecture!r} (known: {known})") from None

@@ -1,0 +1,89 @@
+"""Typed hand-off records between the scheduler, the runner, the core and the client.
+
+    Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler
+    Scheduler --RequestOutput (per request delta)--> Engine client --> collectors
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentx.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    ``token_ids`` are the tokens to compute at positions ``[start_position, start_position +
+    len(token_ids))``. ``new_block_ids`` are the blocks appended (per KV group) since the runner
+    last saw the request; when ``is_new`` the runner forgets what it had and they are the whole
+    block table (a first schedule, or a resume after preemption).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    new_block_ids: tuple[list[int], ...]
+    is_new: bool
+    sample: bool  # these tokens reach the end of the request: sample the next one
+    sampling: SamplingParams
+    seed: int  # the request's resolved seed: sampling is a pure function of (seed, index)
+    num_output_tokens: int  # tokens sampled so far: the index of the next one
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    finished_request_ids: frozenset[str]  # the runner drops their state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # only requests that sampled this step
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens, and the finish if it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    new_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_steps: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int  # requests that looked up the prefix cache
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_computed_tokens: int  # tokens run through the model
+    num_reused_tokens: int  # prompt tokens served from the prefix cache instead
+    num_generated_tokens: int
+    kv_num_blocks: int
+    kv_num_used_blocks: int
+    kv_num_cached_blocks: int
+    kv_usage: float
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_query_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0

@@ -1,0 +1,5 @@
+"""Parallel state and collectives (world size 1 today; tensor / context parallel build on it)."""
+
+from agentx.engine.parallel.state import SINGLE, ParallelState
+
+__all__ = ["SINGLE", "ParallelState"]

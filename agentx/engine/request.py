@@ -1,0 +1,101 @@
+"""A request inside the engine: its tokens, how many are computed, and why it finished.
+
+The scheduler thinks in tokens only: ``num_computed_tokens`` catches up to ``num_tokens``.
+A prefill, a chunk of one, a decode step and a recompute after preemption are all the same
+thing: computing ``num_tokens - num_computed_tokens`` more tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes
+from agentx.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    block_size: int = 16
+    priority: int = 0  # lower runs first under the priority policy
+    cache_salt: bytes = b""
+    seed: int = 0  # sampling.seed, or one drawn by the engine when that is None
+    arrival_time: float = field(default_factory=time.monotonic)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix hit when first scheduled; -1 until then
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    block_hashes: list[BlockHash] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if self.num_tokens % self.block_size == 0:
+            self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Finish the request if its last token ends it. Returns True if it did."""
+        last = self.all_token_ids[-1]
+        sampling = self.sampling
+        if not sampling.ignore_eos and last in self.eos_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+        elif last in sampling.stop_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+        elif self.num_output_tokens >= sampling.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+        return self.status.is_finished

@@ -1,0 +1,104 @@
+"""The model runner: owns the model weights and the KV cache tensors, runs one step.
+
+It turns a :class:`SchedulerOutput` into one flat varlen batch, runs the model under a forward
+context, computes logits only for the positions that sample, and samples. It knows nothing of
+queues, prefix hashes or requests beyond their ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentx.config import EngineConfig
+from agentx.engine.kv_cache import FullAttentionSpec, KVCacheGroup, KVCacheLayout
+from agentx.engine.models.forward_context import ForwardContext, forward_context
+from agentx.engine.models.registry import get_model_class
+from agentx.engine.models.spec import ModelSpec
+from agentx.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from agentx.engine.parallel import SINGLE, ParallelState
+from agentx.engine.runner.input_batch import InputBatch
+from agentx.engine.runner.sampler import sample
+from agentx.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        spec: ModelSpec,
+        weights: dict[str, torch.Tensor],
+        parallel: ParallelState = SINGLE,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.max_model_len = resolve_max_model_len(config, spec)
+        with torch.device(self.device):
+            model = get_model_class(spec.architecture)(spec, parallel, self.dtype)
+        model.load_weights(weights)
+        self.model = model.eval()
+        self.layout = self._plan_kv_layout(parallel)
+        self.kv_caches = self._allocate_kv_caches()
+        block_size = config.cache.block_size
+        self.input_batch = InputBatch(
+            config.scheduler.max_num_seqs, -(-self.max_model_len // block_size), block_size
+        )
+
+    def _plan_kv_layout(self, parallel: ParallelState) -> KVCacheLayout:
+        cache = self.config.cache
+        spec = FullAttentionSpec(
+            block_size=cache.block_size,
+            num_kv_heads=max(1, self.spec.num_kv_heads // parallel.tp_size),
+            head_size=self.spec.head_dim,
+            dtype=self.dtype,
+        )
+        num_blocks = cache.num_blocks
+        if num_blocks is None:
+            num_blocks = cache.kv_cache_bytes // (spec.page_size_bytes * self.spec.num_layers)
+        if num_blocks < 2:
+            raise ConfigError(
+                f"kv_cache_bytes={cache.kv_cache_bytes} holds fewer than 2 blocks of "
+                f"{spec.page_size_bytes * self.spec.num_layers} bytes"
+            )
+        group = KVCacheGroup(spec, tuple(range(self.spec.num_layers)))
+        return KVCacheLayout(num_blocks=num_blocks, groups=(group,))
+
+    def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        spec = self.layout.groups[0].spec
+        shape = (2, self.layout.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.spec.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch.prepare(out)
+        ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches)
+        with forward_context(ctx):
+            hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device))
+        if not batch.sample_rows:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])
+        items = [out.scheduled[i] for i in batch.sample_rows]
+        token_ids = sample(
+            logits,
+            [it.sampling for it in items],
+            [it.seed for it in items],
+            [it.num_output_tokens for it in items],
+        )
+        return ModelRunnerOutput({it.request_id: t for it, t in zip(items, token_ids)})
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    if config.max_model_len is None:
+        return spec.max_position
+    if config.max_model_len > spec.max_position:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} exceeds the model's context "
+            f"of {spec.max_position} tokens"
+        )
+    return config.max_model_len

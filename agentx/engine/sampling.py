@@ -1,0 +1,51 @@
+"""Sampling parameters: how one request picks its next tokens and when it stops.
+
+Frozen and validated on construction; a bad value raises :class:`SamplingParamsError` before
+anything is scheduled. ``temperature == 0`` means greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentx.errors import SamplingParamsError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise SamplingParamsError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise SamplingParamsError(f"seed must be an int or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError(f"stop strings must be non-empty str, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(f"stop_token_ids must be ints >= 0: {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,154 @@
+"""Per-request output streams: the hand-off from the engine loop thread to callers.
+
+The engine thread ``put``s deltas without ever blocking; a caller consumes them synchronously
+(``result()``) or asynchronously (``async for``) under asyncio or trio. An async consumer is
+woken through its own event loop's thread-safe callback, so the engine thread never waits on
+a caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+
+from agentx.engine.outputs import RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    output_tokens: int
+
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A finished request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None
+    usage: Usage
+
+
+def _threadsafe_setter(event: anyio.Event) -> Callable[[], None]:
+    """A callable any thread may call to set ``event`` in the running event loop."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio: anyio's other backend is trio
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        return lambda: token.run_sync_soon(event.set)
+    return lambda: loop.call_soon_threadsafe(event.set)
+
+
+class RequestStream:
+    """Deltas of one request, in order, ending with a finished delta or an error."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._items: deque[RequestOutput] = deque()
+        self._error: BaseException | None = None
+        self._done = False
+        self._cond = threading.Condition()
+        self._notify: Callable[[], None] | None = None
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.final: RequestOutput | None = None
+
+    # ---- producer side (engine thread) -------------------------------------------------------
+
+    def put(self, output: RequestOutput) -> None:
+        with self._cond:
+            self._items.append(output)
+            self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        if self._notify is not None:
+            notify, self._notify = self._notify, None
+            notify()
+
+    # ---- consumer side -----------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def _take(self) -> RequestOutput | None:
+        """Next delta if one is ready; raises the stream's error once deltas run out."""
+        if self._items:
+            out = self._items.popleft()
+            self.token_ids.extend(out.new_token_ids)
+            self.text += out.new_text
+            if out.finished:
+                self._done, self.final = True, out
+            return out
+        if self._error is not None:
+            self._done = True
+            raise self._error
+        return None
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        with self._cond:
+            while (out := self._take()) is None:
+                if not self._cond.wait(timeout):
+                    raise TimeoutError(f"no output from request {self.request_id} in {timeout}s")
+            return out
+
+    async def aget(self) -> RequestOutput:
+        while True:
+            with self._cond:
+                out = self._take()
+                if out is not None:
+                    return out
+                event = anyio.Event()
+                self._notify = _threadsafe_setter(event)
+            await event.wait()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        return await self.aget()
+
+    def result(self, timeout: float | None = None) -> Generation:
+        """Block until the request finishes."""
+        while not self._done:
+            self.get(timeout)
+        return self.to_generation()
+
+    def to_generation(self) -> Generation:
+        final = self.final
+        assert final is not None, "request has not finished"
+        return Generation(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.token_ids),
+            text=self.text,
+            finish_reason=final.finish_reason,
+            stop_reason=final.stop_reason,
+            usage=Usage(final.num_prompt_tokens, final.num_cached_tokens, final.num_output_tokens),
+        )

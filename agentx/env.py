@@ -1,0 +1,42 @@
+"""The one place agentx reads ``AGENTX_*`` environment variables.
+
+Every variable has one small function here; the rest of the code calls the function and never
+touches ``os.environ`` itself, so the list below is the complete list. Values are read on every
+call (not at import), so tests can change them with ``monkeypatch``.
+
+Variables:
+    AGENTX_CACHE_DIR   root folder for files agentx derives and keeps between runs (built
+                       tokenizers, ...); default ``~/.cache/agentx``.
+    AGENTX_KERNELS     kernel backend: ``auto`` (default), ``ref`` or ``triton``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from agentx.errors import ConfigError
+
+__all__ = ["cache_dir", "kernel_backend"]
+
+_KERNEL_BACKENDS = ("auto", "ref", "triton")
+
+
+def cache_dir() -> Path:
+    """The cache root: ``$AGENTX_CACHE_DIR`` if set and not empty, else ``~/.cache/agentx``.
+
+    The folder is not created here; writers create what they need under it.
+    """
+    value = os.environ.get("AGENTX_CACHE_DIR", "").strip()
+    if value:
+        return Path(value).expanduser()
+    return Path.home() / ".cache" / "agentx"
+
+
+def kernel_backend() -> str:
+    """``$AGENTX_KERNELS`` lower-cased, ``auto`` when unset; anything else raises ConfigError."""
+    value = os.environ.get("AGENTX_KERNELS", "").strip().lower() or "auto"
+    if value not in _KERNEL_BACKENDS:
+        choices = ", ".join(_KERNEL_BACKENDS)
+        raise ConfigError(f"AGENTX_KERNELS={value!r}: expected one of {choices}")
+    return value

@@ -1,0 +1,76 @@
+"""The agentx exception tree.
+
+Every error agentx raises on purpose derives from :class:`AgentXError`::
+
+    AgentXError
+    ├── ConfigError            a config value is invalid (raised once, when the config is built)
+    ├── ModelNotFoundError     the model path or the default model package is missing
+    ├── ModelLoadError         a checkpoint exists but cannot be read (unknown architecture, bad file)
+    ├── InvalidRequestError    a request is rejected before anything is scheduled
+    │   ├── PromptTooLongError     longer than the model context or than the KV pool can ever hold
+    │   └── SamplingParamsError    a bad sampling value (temperature, top_p, max_tokens, ...)
+    ├── RequestAbortedError    the request was aborted (by the caller or by cancellation)
+    ├── EngineClosedError      a request arrived after the engine was closed
+    └── EngineDeadError        the engine loop crashed; every waiting request fails with this
+
+``InvalidRequestError`` and ``ConfigError`` are also ``ValueError`` so that code that already
+catches ``ValueError`` for bad input keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgentXError",
+    "ConfigError",
+    "EngineClosedError",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "RequestAbortedError",
+    "SamplingParamsError",
+]
+
+
+class AgentXError(Exception):
+    """Base class of every error agentx raises on purpose."""
+
+
+class ConfigError(AgentXError, ValueError):
+    """A configuration value is invalid."""
+
+
+class ModelNotFoundError(AgentXError, FileNotFoundError):
+    """The model path does not exist, or the default model package is not installed."""
+
+
+class ModelLoadError(AgentXError):
+    """The checkpoint exists but cannot be loaded."""
+
+
+class InvalidRequestError(AgentXError, ValueError):
+    """A request is rejected before it is scheduled."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt (plus room to generate) exceeds the model context or the KV pool."""
+
+
+class SamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range."""
+
+
+class RequestAbortedError(AgentXError):
+    """The request was aborted before it finished."""
+
+
+class EngineClosedError(AgentXError):
+    """The engine was closed; it takes no new requests."""
+
+
+class EngineDeadError(AgentXError):
+    """The engine loop raised; the engine cannot serve any more requests.
+
+    ``__cause__`` holds the original exception.
+    """

@@ -1,0 +1,24 @@
+"""Device ops behind one dispatch.
+
+``ref`` (PyTorch, runs on CPU, ground truth) and, later, ``triton`` (GPU) export the same
+functions with the same signatures. ``AGENTX_KERNELS=auto|ref|triton`` picks the backend once,
+at import; ``auto`` means ref until a GPU backend exists for the op.
+"""
+
+from __future__ import annotations
+
+from agentx import env
+from agentx.errors import ConfigError
+from agentx.kernels import ref as _ref
+
+BACKEND = env.kernel_backend()
+if BACKEND == "triton":
+    raise ConfigError("AGENTX_KERNELS=triton: the Triton backend is not built yet; use auto or ref")
+
+apply_rotary = _ref.apply_rotary
+paged_attention = _ref.paged_attention
+rms_norm = _ref.rms_norm
+silu_and_mul = _ref.silu_and_mul
+write_kv = _ref.write_kv
+
+__all__ = ["BACKEND", "apply_rotary", "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]

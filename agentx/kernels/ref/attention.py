@@ -1,0 +1,98 @@
+"""Paged attention in plain PyTorch: the ground truth every other backend is tested against.
+
+KV cache of one layer: (2, num_blocks, block_size, num_kv_heads, head_dim); slot s lives at
+block s // block_size, offset s % block_size. Grouped-query attention: query head h reads KV
+head h // (num_heads // num_kv_heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new keys/values (T, Hkv, D) into their slots."""
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # (2, num_blocks * block_size, Hkv, D)
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """(2, len(block_table) * block_size, Hkv, D) for one request, or (2, B, L, Hkv, D)."""
+    kv = kv_cache[:, block_table]  # (2, [B,] nb, bs, Hkv, D)
+    return kv.flatten(-4, -3) if block_table.dim() == 1 else kv.flatten(2, 3)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    decode_ids: torch.Tensor,
+    prefill_ids: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new queries q (T, H, D) over each request's paged context."""
+    out = torch.empty_like(q)
+    block_size = kv_cache.shape[2]
+    for i in prefill_ids:
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        seq_len = seq_lens[i]
+        num_blocks = -(-seq_len // block_size)
+        k, v = _gather(kv_cache, block_tables[i, :num_blocks])[:, :seq_len]  # (L, Hkv, D)
+        out[start:end] = _prefill_one(q[start:end], k, v, scale)
+    if decode_ids.numel():
+        out[_decode_rows(query_start_loc, decode_ids)] = _decode_batch(
+            q, kv_cache, query_start_loc, seq_lens, block_tables, decode_ids, scale
+        )
+    return out
+
+
+def _decode_rows(query_start_loc: list[int], decode_ids: torch.Tensor) -> torch.Tensor:
+    starts = torch.tensor(query_start_loc[:-1], dtype=torch.long)
+    return starts[decode_ids]
+
+
+def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    num_q, num_k = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, T, D)
+    if num_q == num_k:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # query i sits at position num_k - num_q + i and sees keys 0..that position
+        qpos = torch.arange(num_k - num_q, num_k).unsqueeze(1)
+        mask = torch.arange(num_k).unsqueeze(0) <= qpos  # (Tq, Tk)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)  # (T, H, D)
+
+
+def _decode_batch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    decode_ids: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request, batched as a grouped matmul over padded contexts."""
+    block_size = kv_cache.shape[2]
+    lens = torch.tensor(seq_lens, dtype=torch.long)[decode_ids]
+    max_len = int(lens.max())
+    num_blocks = -(-max_len // block_size)
+    k, v = _gather(kv_cache, block_tables[decode_ids, :num_blocks])  # (B, L, Hkv, D)
+    num_kv_heads, head_dim = k.shape[-2:]
+    qd = q[_decode_rows(query_start_loc, decode_ids)]  # (B, H, D)
+    b = qd.shape[0]
+    group = qd.shape[1] // num_kv_heads
+    qd = qd.view(b, num_kv_heads, group, head_dim)  # (B, Hkv, G, D)
+    scores = torch.matmul(qd, k.permute(0, 2, 3, 1)) * scale  # (B, Hkv, G, L)
+    valid = torch.arange(k.shape[1]).unsqueeze(0) < lens.unsqueeze(1)  # (B, L)
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v.transpose(1, 2))  # (B, Hkv, G, D)
+    return o.reshape(b, num_kv_heads * group, head_dim)

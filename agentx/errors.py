@@ -5,7 +5,7 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     AgentXError
     ├── ConfigError            a config value is invalid (raised once, when the config is built)
     ├── ModelNotFoundError     the model path or the default model package is missing
-    ├── ModelLoadError         a checkpoint exists but cannot be read (unknown architecture, bad file)
+    ├── ModelLoadError         the checkpoint cannot be read (bad file, unknown architecture)
     ├── InvalidRequestError    a request is rejected before anything is scheduled
     │   ├── PromptTooLongError     longer than the model context or than the KV pool can ever hold
     │   └── SamplingParamsError    a bad sampling value (temperature, top_p, max_tokens, ...)

@@ -50,6 +50,9 @@ class _TextState:
         return new
 
     def flush(self) -> str:
+        """At the finish: emit everything held back, incomplete characters included."""
+        if self.matched is None:
+            self.text += self.detok.flush()
         new, self.num_emitted = self.text[self.num_emitted :], len(self.text)
         return new
 
@@ -166,7 +169,10 @@ class EngineCore:
 
     def _with_text(self, delta: RequestOutput) -> RequestOutput:
         state = self._texts[delta.request_id]
-        new_text = state.push(delta.new_token_ids)
+        token_ids = delta.new_token_ids
+        if isinstance(delta.stop_reason, int) and not state.include_stop:
+            token_ids = token_ids[:-1]  # an EOS or stop token ends the text, it is not text
+        new_text = state.push(token_ids)
         if state.matched is not None and not delta.finished:
             self.scheduler.finish_requests([delta.request_id], RequestStatus.FINISHED_STOPPED)
             delta = replace(delta, finish_reason="stop", stop_reason=state.matched)

@@ -1,7 +1,7 @@
 """Typed hand-off records between the scheduler, the runner, the core and the client.
 
-    Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler
-    Scheduler --RequestOutput (per request delta)--> Engine client --> collectors
+Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler
+Scheduler --RequestOutput (per request delta)--> Engine client --> collectors
 """
 
 from __future__ import annotations

@@ -87,7 +87,10 @@ class RequestStream:
         self._cond.notify_all()
         if self._notify is not None:
             notify, self._notify = self._notify, None
-            notify()
+            try:
+                notify()
+            except RuntimeError:
+                pass  # the consumer's event loop is gone; nobody is waiting any more
 
     # ---- consumer side -----------------------------------------------------------------------
 
@@ -123,8 +126,13 @@ class RequestStream:
                 if out is not None:
                     return out
                 event = anyio.Event()
-                self._notify = _threadsafe_setter(event)
-            await event.wait()
+                notify = self._notify = _threadsafe_setter(event)
+            try:
+                await event.wait()
+            finally:
+                with self._cond:
+                    if self._notify is notify:  # cancelled: leave no callback into our loop
+                        self._notify = None
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -83,7 +83,7 @@ class SingleTypeKVManager(ABC):
         self.pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(request_id, None)
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:  # noqa: B027
         """Return blocks no future token of the request attends to (none, by default)."""
 
     @abstractmethod

@@ -58,5 +58,7 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
 def get_forward_context() -> ForwardContext:
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
-        raise RuntimeError("no forward context: attention runs only inside a model forward started by the runner")
+        raise RuntimeError(
+            "no forward context: attention runs only inside a model forward started by the runner"
+        )
     return ctx

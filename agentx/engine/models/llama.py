@@ -1,7 +1,7 @@
 """Llama (SmolLM2, Llama 3, Qwen2-style with qkv bias), built from parallel-aware layers.
 
-    token ids -> embed -> [ RMSNorm -> attention(RoPE, paged KV) -> + -> RMSNorm -> SwiGLU -> + ] x N
-              -> RMSNorm -> lm_head (tied to embed when the checkpoint says so)
+token ids -> embed -> [ RMSNorm -> attention(RoPE, paged KV) -> + -> RMSNorm -> SwiGLU -> + ] x N
+          -> RMSNorm -> lm_head (tied to embed when the checkpoint says so)
 """
 
 from __future__ import annotations

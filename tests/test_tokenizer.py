@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from agentx.engine.models import tokenizer as tokenizer_module
+from agentx.engine.models import tokenizer_gguf as tokenizer_module
+from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import default_model_path
-from agentx.engine.models.tokenizer import IncrementalDetokenizer, Tokenizer, clear_tokenizer_cache
+from agentx.engine.models.tokenizer import Tokenizer
+from agentx.engine.models.tokenizer_gguf import clear_tokenizer_cache
 from agentx.errors import InvalidRequestError, ModelNotFoundError
 
 transformers = pytest.importorskip("transformers")

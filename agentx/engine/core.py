@@ -15,8 +15,9 @@ import torch
 
 from agentx.config import EngineConfig
 from agentx.engine.kv_cache import KVCacheManager
+from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
-from agentx.engine.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import Request, RequestStatus
 from agentx.engine.runner import ModelRunner

@@ -155,3 +155,24 @@ def test_finished_request_releases_blocks_and_reports_length():
     assert [d.new_token_ids[0] for d in deltas] == [1000, 1001, 1002]
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 3
     assert s.kv.get_num_used_blocks() == 0
+
+
+def test_priority_victim_already_scheduled_this_step_gives_back_its_budget():
+    s = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy="priority")
+    s.add_request(make_request("x", [1, 2, 3, 4], max_tokens=10, priority=9))
+    step(s)  # x alone: one block
+    s.add_request(make_request("y", [5, 6, 7, 8, 9, 10], max_tokens=10, priority=0))
+    step(s)  # x opens its second block, y takes two: the pool (4 blocks) is full
+    assert s.kv.pool.num_free_blocks == 0
+    step(s)
+    step(s)
+    # x (scheduled first, in running order) fits; y's position 8 needs a third block, and the
+    # policy's victim is x, the worse priority, although x was already given tokens this step
+    n, out, deltas = step(s)
+    assert n == {"y": 1}
+    assert [d.request_id for d in deltas] == ["y"]
+    x = s.requests["x"]
+    assert x.status == RequestStatus.PREEMPTED and x.num_computed_tokens == 0
+    assert x.num_output_tokens == 4  # tokens sampled before preemption are kept
+    assert s.kv.get_block_ids("x") == ([],)
+    assert len(s.kv.get_block_ids("y")[0]) == 3

@@ -7,6 +7,10 @@ with Engine() as engine:                       # the embedded SmolLM2-135M-Instr
     print(gen.text, gen.usage)
 """
 
+from agentx import env
+
+env.apply_cpu_defaults()  # before anything below imports torch
+
 from agentx.config import CacheConfig, EngineConfig, SchedulerConfig
 from agentx.engine.client import Engine
 from agentx.engine.outputs import EngineStats, RequestOutput

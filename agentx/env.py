@@ -8,6 +8,9 @@ Variables:
     AGENTX_CACHE_DIR   root folder for files agentx derives and keeps between runs (built
                        tokenizers, ...); default ``~/.cache/agentx``.
     AGENTX_KERNELS     kernel backend: ``auto`` (default), ``ref`` or ``triton``.
+
+One variable is set rather than read: ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` when agentx is
+imported before torch (see :func:`apply_cpu_defaults`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from agentx.errors import ConfigError
 
-__all__ = ["cache_dir", "kernel_backend"]
+__all__ = ["apply_cpu_defaults", "cache_dir", "kernel_backend"]
 
 _KERNEL_BACKENDS = ("auto", "ref", "triton")
 
@@ -40,3 +43,13 @@ def kernel_backend() -> str:
         choices = ", ".join(_KERNEL_BACKENDS)
         raise ConfigError(f"AGENTX_KERNELS={value!r}: expected one of {choices}")
     return value
+
+
+def apply_cpu_defaults() -> None:
+    """Default ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy.
+
+    With few cores and a busy machine, OpenMP threads that spin between small matmuls stall the
+    engine loop. OpenMP reads the variable when torch loads it, so this only takes effect when
+    agentx is imported before torch; ``make`` and the tests export it as well.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -10,7 +10,6 @@ and fails what is still live with :class:`EngineClosedError`.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections.abc import AsyncIterator, Sequence
 
@@ -27,7 +26,6 @@ Prompt = str | Sequence[int]
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.config = config or EngineConfig()
         self.core = EngineCore(self.config)
         self.tokenizer = self.core.tokenizer

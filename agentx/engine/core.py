@@ -174,8 +174,9 @@ class EngineCore:
         if isinstance(delta.stop_reason, int) and not state.include_stop:
             token_ids = token_ids[:-1]  # an EOS or stop token ends the text, it is not text
         new_text = state.push(token_ids)
-        if state.matched is not None and not delta.finished:
-            self.scheduler.finish_requests([delta.request_id], RequestStatus.FINISHED_STOPPED)
+        if state.matched is not None and delta.stop_reason != state.matched:
+            if not delta.finished:
+                self.scheduler.finish_requests([delta.request_id], RequestStatus.FINISHED_STOPPED)
             delta = replace(delta, finish_reason="stop", stop_reason=state.matched)
         if delta.finished:
             new_text += state.flush()

@@ -21,11 +21,11 @@ demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
 test: $(STAMP)
-	$(BIN)/ruff check agentx tests examples
+	$(BIN)/ruff check agentx tests benchmarks examples
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check agentx tests examples
+	$(BIN)/ruff check agentx tests benchmarks examples
 	$(BIN)/ruff format --check agentx tests benchmarks examples
 
 bench: $(STAMP)

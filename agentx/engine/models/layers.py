@@ -20,6 +20,16 @@ from agentx.engine.models.spec import RopeScaling
 from agentx.engine.parallel import ParallelState
 
 
+def _weight(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Parameter:
+    """An (out, in) weight stored column-major, i.e. as the contiguous transpose (in, out).
+
+    On CPU, ``linear`` over this layout takes a faster GEMV/small-GEMM path: ~1.7x at 1-2 rows
+    when the weights stream from DRAM (decode), equal from 4 rows up.
+    """
+    storage = torch.empty(in_features, out_features, dtype=dtype)
+    return nn.Parameter(storage.t(), requires_grad=False)
+
+
 def _shard(full: torch.Tensor, dim: int, parallel: ParallelState) -> torch.Tensor:
     size = full.shape[dim] // parallel.tp_size
     return full.narrow(dim, parallel.tp_rank * size, size)
@@ -41,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
         self.parallel = parallel
         self.output_sizes = [s // parallel.tp_size for s in output_sizes]
         out = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.weight = _weight(out, in_features, dtype)
         self.bias = (
             nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
         )
@@ -67,9 +77,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.parallel = parallel
         shard_in = in_features // parallel.tp_size
-        self.weight = nn.Parameter(
-            torch.empty(out_features, shard_in, dtype=dtype), requires_grad=False
-        )
+        self.weight = _weight(out_features, shard_in, dtype)
 
     def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
         self.weight.data.copy_(_shard(full, 1, self.parallel))
@@ -114,6 +122,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState, dtype) -> None:
         super().__init__(vocab_size, hidden_size, parallel, dtype)
         self.vocab_size = vocab_size
+        self.weight = _weight(self.shard_size, hidden_size, dtype)
+        self.weight.data.zero_()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(hidden, self.weight)  # (N, shard)
@@ -146,14 +156,16 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # (max_position, D/2)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        # Every layer shares this module and the step's positions tensor: look the rows up once.
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: torch.Tensor | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            kernels.apply_rotary(q, positions, self.cos_sin_cache),
-            kernels.apply_rotary(k, positions, self.cos_sin_cache),
-        )
+        if positions is not self._positions:
+            self._positions, self._cos_sin = positions, self.cos_sin_cache[positions]
+        return kernels.apply_rotary(q, self._cos_sin), kernels.apply_rotary(k, self._cos_sin)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling | None) -> torch.Tensor:

@@ -17,14 +17,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def apply_rotary(
-    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> torch.Tensor:
-    """Neox-style rotary embedding of x (T, H, D) at ``positions`` (T,).
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding of x (T, H, D).
 
-    ``cos_sin_cache`` is (max_position, D): cos in the first half, sin in the second.
+    ``cos_sin`` is (T, D): each token's cos in the first half, sin in the second.
     """
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2)
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D/2)
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)

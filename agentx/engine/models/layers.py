@@ -21,11 +21,14 @@ from agentx.engine.parallel import ParallelState
 
 
 def _weight(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Parameter:
-    """An (out, in) weight stored column-major, i.e. as the contiguous transpose (in, out).
+    """An (out, in) weight; fp32 ones are stored column-major (the contiguous (in, out)).
 
-    On CPU, ``linear`` over this layout takes a faster GEMV/small-GEMM path: ~1.7x at 1-2 rows
-    when the weights stream from DRAM (decode), equal from 4 rows up.
+    On CPU, fp32 ``linear`` over the column-major layout takes a faster GEMV/small-GEMM path:
+    ~1.7x at 1-2 rows when the weights stream from DRAM (decode), equal from 4 rows up.
+    bf16/fp16 kernels are faster row-major, so those keep it.
     """
+    if dtype != torch.float32:
+        return nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
     storage = torch.empty(in_features, out_features, dtype=dtype)
     return nn.Parameter(storage.t(), requires_grad=False)
 

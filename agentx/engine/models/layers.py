@@ -28,7 +28,8 @@ def _weight(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Param
     bf16/fp16 kernels are faster row-major, so those keep it.
     """
     if dtype != torch.float32:
-        return nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        row_major = torch.empty(out_features, in_features, dtype=dtype)
+        return nn.Parameter(row_major, requires_grad=False)
     storage = torch.empty(in_features, out_features, dtype=dtype)
     return nn.Parameter(storage.t(), requires_grad=False)
 

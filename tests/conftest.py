@@ -19,9 +19,7 @@ def default_engine():
     engine.close()
 
 
-@pytest.fixture
-def make_engine():
-    """Build engines with custom configs; every one is closed after the test."""
+def _engine_factory():
     engines = []
 
     def build(cache=None, scheduler=None, **kw):
@@ -35,6 +33,22 @@ def make_engine():
         engines.append(engine)
         return engine
 
+    return build, engines
+
+
+@pytest.fixture
+def make_engine():
+    """Build engines with custom configs; every one is closed after the test."""
+    build, engines = _engine_factory()
+    yield build
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def make_engine_module():
+    """Like make_engine, for engines shared by a module's tests."""
+    build, engines = _engine_factory()
     yield build
     for engine in engines:
         engine.close()

@@ -51,12 +51,21 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        retain_kv: bool = False,
+        extends: str | None = None,
     ) -> RequestStream:
-        """Validate and queue a request; its deltas arrive on the returned stream."""
+        """Validate and queue a request; its deltas arrive on the returned stream.
+
+        ``retain_kv``: when it finishes, keep its KV whole under its request id (a held
+        sequence) for a later request that names it in ``extends`` and whose prompt starts with
+        this request's prompt and output; that request then computes only what is new.
+        Release held sequences you will not extend (``release_kv``); unpinned ones are also
+        released by the engine when memory runs short.
+        """
         self._check_alive()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self.core.make_request(
-            rid, prompt, sampling or SamplingParams(), priority, cache_salt
+            rid, prompt, sampling or SamplingParams(), priority, cache_salt, retain_kv, extends
         )
         stream = RequestStream(rid, request.prompt_token_ids)
         with self._cond:
@@ -121,6 +130,26 @@ class Engine:
             if not stream.finished:
                 self.abort(stream.request_id)
         return stream.to_generation()
+
+    # ---- held sequences ----------------------------------------------------------------------
+
+    def fork_kv(self, handle: str, num_forks: int) -> list[str]:
+        """Fork a held sequence into ``num_forks`` new handles (copy-on-write of the partial
+        tail block). Returns [] if the handle is gone or the pool has no room."""
+        self._check_alive()
+        new_handles = [f"{handle}/fork-{next(self._ids)}" for _ in range(num_forks)]
+        with self._step_lock:
+            return new_handles if self.core.fork_kv(handle, new_handles) else []
+
+    def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
+        """Release a held sequence; ``drop_cached`` also forgets its blocks' cached content."""
+        with self._step_lock:
+            return self.core.release_kv(handle, drop_cached)
+
+    def pin_kv(self, handle: str, pinned: bool = True) -> bool:
+        """A pinned held sequence is never released to make room."""
+        with self._step_lock:
+            return self.core.pin_kv(handle, pinned)
 
     # ---- state -------------------------------------------------------------------------------
 

@@ -95,6 +95,8 @@ class EngineCore:
         sampling: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        retain_kv: bool = False,
+        extends: str | None = None,
     ) -> Request:
         """Validate and build a request; raises InvalidRequestError before anything is queued."""
         token_ids = self._tokenize(prompt)
@@ -122,6 +124,8 @@ class EngineCore:
             priority=priority,
             cache_salt=cache_salt.encode() if cache_salt else b"",
             seed=seed,
+            retain_kv=retain_kv,
+            extends=extends,
         )
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -154,6 +158,22 @@ class EngineCore:
             text = self._texts.pop(request.request_id)
             outputs.append(replace(make_output(request, []), new_text=text.flush()))
         return outputs
+
+    # ---- held sequences (kv_cache/held.py) ------------------------------------------------
+
+    def fork_kv(self, handle: str, new_handles: list[str]) -> bool:
+        """Fork a held sequence into ``new_handles``; False if it is gone or there is no room."""
+        copies = self.kv.fork_held(handle, new_handles)
+        if copies is None:
+            return False
+        self.runner.copy_blocks(copies)
+        return True
+
+    def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
+        return self.kv.release_held(handle, drop_cached)
+
+    def pin_kv(self, handle: str, pinned: bool = True) -> bool:
+        return self.kv.pin_held(handle, pinned)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -202,6 +222,7 @@ class EngineCore:
             kv_num_used_blocks=kv.get_num_used_blocks(),
             kv_num_cached_blocks=len(kv.pool.cached),
             kv_usage=kv.get_usage(),
+            kv_num_held_sequences=len(kv.held),
         )
 
     def check_integrity(self) -> None:

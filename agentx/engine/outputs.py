@@ -82,6 +82,7 @@ class EngineStats:
     kv_num_used_blocks: int
     kv_num_cached_blocks: int
     kv_usage: float
+    kv_num_held_sequences: int  # finished turns whose KV is kept for the turn extending them
 
     @property
     def prefix_cache_hit_rate(self) -> float:

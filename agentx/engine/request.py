@@ -47,6 +47,8 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: bytes = b""
     seed: int = 0  # sampling.seed, or one drawn by the engine when that is None
+    retain_kv: bool = False  # when it finishes, hold its KV under its id (see kv_cache/held.py)
+    extends: str | None = None  # a held sequence this request continues
     arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

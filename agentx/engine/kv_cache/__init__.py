@@ -2,6 +2,7 @@
 
 from agentx.engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes, hash_block
+from agentx.engine.kv_cache.held import BlockCopy, HeldSequence, HeldSequences
 from agentx.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from agentx.engine.kv_cache.specs import (
     FullAttentionSpec,
@@ -11,10 +12,13 @@ from agentx.engine.kv_cache.specs import (
 )
 
 __all__ = [
+    "BlockCopy",
     "BlockHash",
     "BlockPool",
     "FreeBlockQueue",
     "FullAttentionSpec",
+    "HeldSequence",
+    "HeldSequences",
     "KVBlock",
     "KVCacheBlocks",
     "KVCacheGroup",

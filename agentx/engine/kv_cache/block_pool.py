@@ -150,6 +150,14 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def drop_cached(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget the cached content of free blocks and queue them to be reused first."""
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                self._evict(block)
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

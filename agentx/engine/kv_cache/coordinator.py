@@ -65,6 +65,9 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
 
+    def take(self, request_id: str) -> GroupBlocks:
+        return tuple(m.take(request_id) for m in self.managers)
+
     def free(self, request_id: str) -> None:
         for m in self.managers:
             m.free(request_id)

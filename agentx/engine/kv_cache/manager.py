@@ -6,6 +6,10 @@ prefix-cache statistics. It does not know how requests are ordered or what the m
     get_computed_blocks(request)          -> the prefix hit (no side effects on the pool)
     allocate_slots(request, n, hit)       -> the blocks for n more tokens, or None if they don't fit
     free(request)                         -> every block back to the pool (cached content kept)
+    hold(request)                         -> keep a finished request's blocks for the next turn
+
+A prefix hit comes from the prefix cache (full blocks, by hash) or, when the request names one
+in ``extends``, from a held sequence (every block, the partial tail too); the longer wins.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
+from agentx.engine.kv_cache.held import BlockCopy, HeldSequences
 from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
 
@@ -23,6 +28,7 @@ class KVCacheBlocks:
     """Blocks per KV group, as handed between the KV manager and the scheduler."""
 
     blocks: GroupBlocks
+    held_handle: str | None = None  # the blocks are a held sequence's, moving to the request
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -46,6 +52,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.coordinator = KVCacheCoordinator(layout, enable_caching)
         self.pool = self.coordinator.pool
+        self.held = HeldSequences(self.pool, self.block_size)
         self.stats = PrefixCacheStats()
 
     @property
@@ -63,14 +70,24 @@ class KVCacheManager:
 
         The last token is always recomputed: its logits are needed to sample.
         """
-        if not self.enable_caching:
-            return self.empty_blocks(), 0
         max_length = request.num_tokens - 1
-        blocks, num_hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
+        hit, num_hit = self.empty_blocks(), 0
+        if self.enable_caching:
+            blocks, num_hit = self.coordinator.find_longest_cache_hit(
+                request.block_hashes, max_length
+            )
+            hit = KVCacheBlocks(blocks)
+        held = self.held.get(request.extends)
+        if held is not None and _is_prefix(held.token_ids, request.all_token_ids):
+            num_held = min(held.num_tokens, max_length)
+            if num_held > 0 and num_held >= num_hit:
+                num_blocks = -(-num_held // self.block_size)
+                hit = KVCacheBlocks(tuple(g[:num_blocks] for g in held.blocks), held.handle)
+                num_hit = num_held
         self.stats.num_queries += 1
         self.stats.num_query_tokens += request.num_tokens
         self.stats.num_hit_tokens += num_hit
-        return KVCacheBlocks(blocks), num_hit
+        return hit, num_hit
 
     def allocate_slots(
         self,
@@ -93,8 +110,13 @@ class KVCacheManager:
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = self.coordinator.get_num_blocks_to_allocate(rid, num_total, computed)
         if num_needed > self.pool.num_free_blocks:
-            return None
+            self.held.reclaim(num_needed, keep=request.extends)
+            num_needed = self.coordinator.get_num_blocks_to_allocate(rid, num_total, computed)
+            if num_needed > self.pool.num_free_blocks:
+                return None
         self.coordinator.save_new_computed_blocks(rid, computed)
+        if new_computed_blocks is not None and new_computed_blocks.held_handle is not None:
+            self.held.release(new_computed_blocks.held_handle)  # its references moved to rid
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_total)
         if self.enable_caching:
             self.coordinator.cache_blocks(rid, request.block_hashes, num_total)
@@ -102,6 +124,30 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)
+
+    def hold(self, request: Request) -> None:
+        """Keep a finished request's blocks under its id for a request that ``extends`` it."""
+        blocks = self.coordinator.take(request.request_id)
+        tokens = request.all_token_ids[: request.num_computed_tokens]
+        self.held.add(request.request_id, tokens, blocks)
+
+    def fork_held(self, handle: str, new_handles: list[str]) -> list[BlockCopy] | None:
+        """Copy-on-write forks of a held sequence; the caller runs the returned block copies
+        before any request uses the new handles. None when the handle is unknown or the pool
+        has no room for the tail copies."""
+        if handle not in self.held:
+            return None
+        copies = self.held.fork(handle, new_handles)
+        if copies is None:
+            self.held.reclaim(len(new_handles) * len(self.layout.groups), keep=handle)
+            copies = self.held.fork(handle, new_handles)
+        return copies
+
+    def release_held(self, handle: str, drop_cached: bool = False) -> bool:
+        return self.held.release(handle, drop_cached)
+
+    def pin_held(self, handle: str, pinned: bool = True) -> bool:
+        return self.held.set_pinned(handle, pinned)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))
@@ -121,6 +167,11 @@ class KVCacheManager:
                 for block in blocks:
                     if not block.is_null:
                         holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for block in self.held.iter_blocks():
+            holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for held in self.held:
+            num_blocks = -(-held.num_tokens // self.block_size)
+            assert all(len(g) == num_blocks for g in held.blocks), f"{held.handle}: block count"
         for block in self.pool.blocks[1:]:
             expected = holders.get(block.block_id, 0)
             assert block.ref_cnt == expected, (
@@ -131,6 +182,10 @@ class KVCacheManager:
 
     def get_num_used_blocks(self) -> int:
         return self.pool.num_blocks - 1 - self.pool.num_free_blocks
+
+
+def _is_prefix(prefix: list[int], tokens: list[int]) -> bool:
+    return len(prefix) <= len(tokens) and tokens[: len(prefix)] == prefix
 
 
 __all__ = ["KVBlock", "KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]

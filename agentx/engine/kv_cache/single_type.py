@@ -52,7 +52,9 @@ class SingleTypeKVManager(ABC):
             assert not blocks, "a prefix hit is only taken by a request holding no blocks"
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
-            self.num_cached_blocks[request_id] = len(new_computed_blocks)
+            # published blocks form a prefix; a held sequence's partial tail block is not one
+            num_published = sum(1 for b in new_computed_blocks if b.block_hash is not None)
+            self.num_cached_blocks[request_id] = num_published
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVBlock]:
         blocks = self.req_to_blocks.setdefault(request_id, [])
@@ -76,6 +78,11 @@ class SingleTypeKVManager(ABC):
             if not blocks[i].is_null:
                 self.pool.cache_block(blocks[i], block_hashes[i])
         self.num_cached_blocks[request_id] = num_full
+
+    def take(self, request_id: str) -> list[KVBlock]:
+        """Detach the request's blocks without releasing them (their references move along)."""
+        self.num_cached_blocks.pop(request_id, None)
+        return self.req_to_blocks.pop(request_id, [])
 
     def free(self, request_id: str) -> None:
         """Release every block of the request, tail first so the prefix is evicted last."""

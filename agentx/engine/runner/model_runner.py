@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from agentx.config import EngineConfig
-from agentx.engine.kv_cache import FullAttentionSpec, KVCacheGroup, KVCacheLayout
+from agentx.engine.kv_cache import BlockCopy, FullAttentionSpec, KVCacheGroup, KVCacheLayout
 from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.registry import get_model_class
 from agentx.engine.models.spec import ModelSpec
@@ -73,6 +73,16 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.spec.num_layers)
         ]
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy whole blocks (every layer) for copy-on-write forks."""
+        if not copies:
+            return
+        src = torch.tensor([c.src_block_id for c in copies], device=self.device)
+        dst = torch.tensor([c.dst_block_id for c in copies], device=self.device)
+        for cache in self.kv_caches:  # (2, num_blocks, block_size, Hkv, D)
+            cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

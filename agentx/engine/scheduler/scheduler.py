@@ -26,6 +26,8 @@ from agentx.engine.request import FINISH_REASONS, Request, RequestStatus
 from agentx.engine.scheduler.queues import QUEUES
 from agentx.errors import PromptTooLongError
 
+_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
 
 class Scheduler:
     def __init__(
@@ -136,6 +138,10 @@ class Scheduler:
             if new_blocks is None:
                 break  # the pool is full; running requests will free blocks
             self.waiting.pop()
+            if request.extends is not None:
+                # adopted or stale: either way the handle is spent once its request runs
+                self.kv.release_held(request.extends)
+                request.extends = None
             self.running.append(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -208,7 +214,14 @@ class Scheduler:
         return deltas
 
     def _free(self, request: Request) -> None:
-        self.kv.free(request)
+        completed = request.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+        )
+        if request.retain_kv and completed:
+            self.kv.hold(request)
+        else:
+            self.kv.free(request)
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)

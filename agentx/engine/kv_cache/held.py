@@ -1,0 +1,131 @@
+"""Held sequences: a finished request's KV kept whole, for the turn that extends it.
+
+The prefix cache shares full blocks only; the last, partial block of a turn would be recomputed
+by the next one. A held sequence keeps every block of a finished turn (partial tail included)
+under a handle, so the next turn of the same conversation resumes exactly where the last one
+stopped. Forking copies only the partial tail block (copy-on-write); full blocks are shared by
+reference. Unpinned held sequences are a cache, not a reservation: under memory pressure they
+are released, oldest first, and the next turn falls back to the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
+from agentx.engine.kv_cache.coordinator import GroupBlocks
+
+
+@dataclass(slots=True, eq=False)
+class HeldSequence:
+    handle: str
+    token_ids: list[int]  # the tokens whose KV the blocks hold, in order
+    blocks: GroupBlocks  # per KV group: ceil(len(token_ids) / block_size) blocks
+    pinned: bool = False
+    last_used: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy one block's KV (every layer of its group) before the destination is used."""
+
+    src_block_id: int
+    dst_block_id: int
+
+
+class HeldSequences:
+    """Handles -> held sequences, drawing on the shared pool. Callers hold the engine step."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._held: dict[str, HeldSequence] = {}
+        self._clock = 0
+
+    def __contains__(self, handle: str) -> bool:
+        return handle in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __iter__(self) -> Iterator[HeldSequence]:
+        return iter(self._held.values())
+
+    def get(self, handle: str | None) -> HeldSequence | None:
+        return self._held.get(handle) if handle is not None else None
+
+    def add(self, handle: str, token_ids: list[int], blocks: GroupBlocks) -> HeldSequence:
+        """Take over ``blocks`` (their references move in) for ``token_ids``."""
+        self.release(handle)
+        num_blocks = -(-len(token_ids) // self.block_size)
+        excess = [b for group in blocks for b in reversed(group[num_blocks:])]
+        self.pool.free_blocks(excess)
+        kept = tuple(group[:num_blocks] for group in blocks)
+        self._clock += 1
+        held = HeldSequence(handle, list(token_ids), kept, last_used=self._clock)
+        self._held[handle] = held
+        return held
+
+    def release(self, handle: str, drop_cached: bool = False) -> bool:
+        held = self._held.pop(handle, None)
+        if held is None:
+            return False
+        blocks = [b for group in held.blocks for b in reversed(group)]
+        self.pool.free_blocks(blocks)
+        if drop_cached:
+            self.pool.drop_cached(blocks)
+        return True
+
+    def set_pinned(self, handle: str, pinned: bool) -> bool:
+        held = self._held.get(handle)
+        if held is None:
+            return False
+        held.pinned = pinned
+        return True
+
+    def fork(self, handle: str, new_handles: list[str]) -> list[BlockCopy] | None:
+        """Give each new handle the same sequence; None (nothing changed) if the pool is short.
+
+        Full blocks are shared by reference; a partial tail block gets a private copy per
+        child, since each child will append different tokens into it.
+        """
+        src = self._held[handle]
+        partial = src.num_tokens % self.block_size != 0
+        num_copies = len(new_handles) * len(src.blocks) if partial else 0
+        if num_copies > self.pool.num_free_blocks:
+            return None
+        copies: list[BlockCopy] = []
+        for new in new_handles:
+            blocks = []
+            for group in src.blocks:
+                shared = group[:-1] if partial else group
+                self.pool.touch(shared)
+                tail: list[KVBlock] = []
+                if partial:
+                    tail = self.pool.allocate_blocks(1)
+                    copies.append(BlockCopy(group[-1].block_id, tail[0].block_id))
+                blocks.append(list(shared) + tail)
+            self.add(new, src.token_ids, tuple(blocks))
+        return copies
+
+    def reclaim(self, num_blocks: int, keep: str | None = None) -> None:
+        """Release unpinned sequences, least recently used first, until ``num_blocks`` are
+        free (or none is left to release). ``keep`` is spared: a request is adopting it."""
+        victims = sorted(
+            (h for h in self._held.values() if not h.pinned and h.handle != keep),
+            key=lambda h: h.last_used,
+        )
+        for held in victims:
+            if self.pool.num_free_blocks >= num_blocks:
+                return
+            self.release(held.handle)
+
+    def iter_blocks(self) -> Iterator[KVBlock]:
+        for held in self._held.values():
+            for group in held.blocks:
+                yield from group

@@ -1,0 +1,61 @@
+"""Held sequences through the real engine: the next turn and each fork compute only their new
+tokens, and greedy output equals a cold run without any cache."""
+
+import pytest
+
+from agentx import CacheConfig, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cold(make_engine_module):
+    return make_engine_module(
+        cache=CacheConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    )
+
+
+def run(engine, prompt, **kw):
+    return engine.add_request(prompt, GREEDY, **kw).result(timeout=120)
+
+
+def test_next_turn_extends_the_held_sequence(make_engine, cold):
+    engine = make_engine()
+    tok = engine.tokenizer
+    p1 = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a fruit."}]))
+    s1 = engine.add_request(p1, GREEDY, retain_kv=True)
+    g1 = s1.result(timeout=120)
+    assert engine.stats().kv_num_held_sequences == 1
+    p2 = p1 + g1.token_ids + tok.encode("\n<|im_start|>user\nAnother one.<|im_end|>\n")
+    g2 = run(engine, p2, extends=s1.request_id)
+    computed_before = len(p1) + len(g1.token_ids) - 1  # the last sampled token never ran
+    assert g2.usage.cached_tokens == computed_before
+    assert g2.usage.computed_prompt_tokens == len(p2) - computed_before
+    assert g2.token_ids == run(cold, p2).token_ids
+    assert engine.stats().kv_num_held_sequences == 0
+    engine.check_integrity()
+    assert engine.stats().kv_num_used_blocks == 0
+
+
+def test_forks_share_the_parent_and_compute_only_their_own_tokens(make_engine, cold):
+    engine = make_engine()
+    p1 = engine.tokenizer.encode("A list of animals: cat, dog,")
+    s1 = engine.add_request(p1, GREEDY, retain_kv=True)
+    g1 = s1.result(timeout=120)
+    handles = engine.fork_kv(s1.request_id, 2)
+    assert len(handles) == 2 and engine.stats().kv_num_held_sequences == 3
+    base = p1 + g1.token_ids
+    children = [base + engine.tokenizer.encode(s) for s in (" bird", " and fish")]
+    streams = [
+        engine.add_request(c, GREEDY, extends=h) for c, h in zip(children, handles, strict=True)
+    ]
+    gens = [s.result(timeout=120) for s in streams]
+    for child, gen in zip(children, gens, strict=True):
+        assert gen.usage.cached_tokens == len(base) - 1
+        assert gen.token_ids == run(cold, child).token_ids
+    assert engine.release_kv(s1.request_id)
+    assert not engine.release_kv(s1.request_id)
+    engine.check_integrity()
+    assert engine.stats().kv_num_used_blocks == 0

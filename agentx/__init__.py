@@ -15,7 +15,7 @@ from agentx.config import CacheConfig, EngineConfig, SchedulerConfig
 from agentx.engine.client import Engine
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.sampling import SamplingParams
-from agentx.engine.streams import Generation, RequestStream, Usage
+from agentx.engine.streams import Generation, RequestStream, RequestUsage
 from agentx.errors import (
     AgentXError,
     ConfigError,
@@ -27,12 +27,41 @@ from agentx.errors import (
     PromptTooLongError,
     RequestAbortedError,
     SamplingParamsError,
+    SessionClosedError,
+    SessionError,
+    TurnInProgressError,
+    UnknownToolCallError,
+)
+from agentx.session import (
+    AssistantMessage,
+    BranchPoint,
+    Message,
+    Pin,
+    Priority,
+    Release,
+    Session,
+    SystemMessage,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallEvent,
+    ToolLatency,
+    ToolMessage,
+    Turn,
+    TurnDone,
+    TurnEvent,
+    TurnsLeft,
+    Usage,
+    UserMessage,
+    tool,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AgentXError",
+    "AssistantMessage",
+    "BranchPoint",
     "CacheConfig",
     "ConfigError",
     "Engine",
@@ -42,14 +71,37 @@ __all__ = [
     "EngineStats",
     "Generation",
     "InvalidRequestError",
+    "Message",
     "ModelLoadError",
     "ModelNotFoundError",
+    "Pin",
+    "Priority",
     "PromptTooLongError",
+    "Release",
     "RequestAbortedError",
     "RequestOutput",
     "RequestStream",
+    "RequestUsage",
     "SamplingParams",
     "SamplingParamsError",
     "SchedulerConfig",
+    "Session",
+    "SessionClosedError",
+    "SessionError",
+    "SystemMessage",
+    "TextDelta",
+    "Tool",
+    "ToolCall",
+    "ToolCallEvent",
+    "ToolLatency",
+    "ToolMessage",
+    "Turn",
+    "TurnDone",
+    "TurnEvent",
+    "TurnInProgressError",
+    "TurnsLeft",
+    "UnknownToolCallError",
     "Usage",
+    "UserMessage",
+    "tool",
 ]

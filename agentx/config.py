@@ -44,7 +44,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # New prefills start only every N-th step while decodes are running (1: every step).
     prefill_schedule_interval: int = 1
-    policy: str = "fcfs"
+    policy: str = "priority"  # FCFS among equal priorities
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "prefill_schedule_interval"):

@@ -11,7 +11,12 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     │   └── SamplingParamsError    a bad sampling value (temperature, top_p, max_tokens, ...)
     ├── RequestAbortedError    the request was aborted (by the caller or by cancellation)
     ├── EngineClosedError      a request arrived after the engine was closed
-    └── EngineDeadError        the engine loop crashed; every waiting request fails with this
+    ├── EngineDeadError        the engine loop crashed; every waiting request fails with this
+    └── SessionError           misuse of a Session
+        ├── SessionClosedError     the session (or its parent) was closed
+        ├── TurnInProgressError    a second turn while one is open on the same session
+        └── UnknownToolCallError   a tool result for a call id the model did not make (also
+                                   an InvalidRequestError)
 
 ``InvalidRequestError`` and ``ConfigError`` are also ``ValueError`` so that code that already
 catches ``ValueError`` for bad input keeps working.
@@ -30,6 +35,10 @@ __all__ = [
     "PromptTooLongError",
     "RequestAbortedError",
     "SamplingParamsError",
+    "SessionClosedError",
+    "SessionError",
+    "TurnInProgressError",
+    "UnknownToolCallError",
 ]
 
 
@@ -74,3 +83,19 @@ class EngineDeadError(AgentXError):
 
     ``__cause__`` holds the original exception.
     """
+
+
+class SessionError(AgentXError):
+    """A Session was used in a way its lifecycle does not allow."""
+
+
+class SessionClosedError(SessionError):
+    """The session, or the parent it was forked from, is closed."""
+
+
+class TurnInProgressError(SessionError):
+    """A turn is already open on this session; sessions run one turn at a time."""
+
+
+class UnknownToolCallError(SessionError, InvalidRequestError):
+    """A tool result names a call id that no assistant message of this session made."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from agentx.config import EngineConfig
 from agentx.engine.core import EngineCore
@@ -34,6 +34,7 @@ class Engine:
         self._step_lock = threading.Lock()  # held by the loop while it touches the core
         self._new: list[tuple[Request, RequestStream]] = []
         self._aborts: list[str] = []
+        self._controls: list[Callable[[EngineCore], object]] = []  # run by the loop, in order
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -53,6 +54,7 @@ class Engine:
         cache_salt: str | None = None,
         retain_kv: bool = False,
         extends: str | None = None,
+        hints: tuple = (),
     ) -> RequestStream:
         """Validate and queue a request; its deltas arrive on the returned stream.
 
@@ -65,7 +67,14 @@ class Engine:
         self._check_alive()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self.core.make_request(
-            rid, prompt, sampling or SamplingParams(), priority, cache_salt, retain_kv, extends
+            rid,
+            prompt,
+            sampling or SamplingParams(),
+            priority,
+            cache_salt,
+            retain_kv,
+            extends,
+            hints,
         )
         stream = RequestStream(rid, request.prompt_token_ids)
         with self._cond:
@@ -146,6 +155,20 @@ class Engine:
         with self._step_lock:
             return self.core.release_kv(handle, drop_cached)
 
+    def release_kv_soon(self, handle: str, drop_cached: bool = False) -> None:
+        """Like ``release_kv``, without waiting: the loop releases it before its next step."""
+        self._control(lambda core: core.release_kv(handle, drop_cached))
+
+    def pin_kv_soon(self, handle: str, pinned: bool = True) -> None:
+        """Like ``pin_kv``, without waiting: the loop applies it before its next step."""
+        self._control(lambda core: core.pin_kv(handle, pinned))
+
+    def _control(self, op: Callable[[EngineCore], object]) -> None:
+        with self._cond:
+            if not self._closed:
+                self._controls.append(op)
+                self._cond.notify()
+
     def pin_kv(self, handle: str, pinned: bool = True) -> bool:
         """A pinned held sequence is never released to make room."""
         with self._step_lock:
@@ -186,16 +209,21 @@ class Engine:
 
     def _loop_once(self) -> bool:
         with self._cond:
-            while not (self._closed or self._new or self._aborts or self._has_work()):
+            while not (
+                self._closed or self._new or self._aborts or self._controls or self._has_work()
+            ):
                 self._cond.wait()
             if self._closed:
                 return False
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
+            controls, self._controls = self._controls, []
         with self._step_lock:
             for request, _ in new:
                 self.core.add_request(request)
             outputs = self.core.abort_requests(aborts)
+            for op in controls:
+                op(self.core)
             outputs += self.core.step()
         self._dispatch(outputs)
         return True

@@ -97,6 +97,7 @@ class EngineCore:
         cache_salt: str | None = None,
         retain_kv: bool = False,
         extends: str | None = None,
+        hints: tuple = (),
     ) -> Request:
         """Validate and build a request; raises InvalidRequestError before anything is queued."""
         token_ids = self._tokenize(prompt)
@@ -126,6 +127,7 @@ class EngineCore:
             seed=seed,
             retain_kv=retain_kv,
             extends=extends,
+            hints=tuple(hints),
         )
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:

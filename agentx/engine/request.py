@@ -49,6 +49,7 @@ class Request:
     seed: int = 0  # sampling.seed, or one drawn by the engine when that is None
     retain_kv: bool = False  # when it finishes, hold its KV under its id (see kv_cache/held.py)
     extends: str | None = None  # a held sequence this request continues
+    hints: tuple = ()  # the session's hints (agentx.session.hints) for tiers and policies
     arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

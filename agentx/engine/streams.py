@@ -20,7 +20,7 @@ from agentx.engine.outputs import RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class RequestUsage:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
     output_tokens: int
@@ -40,7 +40,7 @@ class Generation:
     text: str
     finish_reason: str
     stop_reason: int | str | None
-    usage: Usage
+    usage: RequestUsage
 
 
 def _threadsafe_setter(event: anyio.Event) -> Callable[[], None]:
@@ -158,5 +158,7 @@ class RequestStream:
             text=self.text,
             finish_reason=final.finish_reason,
             stop_reason=final.stop_reason,
-            usage=Usage(final.num_prompt_tokens, final.num_cached_tokens, final.num_output_tokens),
+            usage=RequestUsage(
+                final.num_prompt_tokens, final.num_cached_tokens, final.num_output_tokens
+            ),
         )

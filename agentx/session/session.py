@@ -1,0 +1,345 @@
+"""Session: one agent conversation on an in-process engine.
+
+A session keeps its chat as token ids (``ChatContext``) so every turn re-sends an exact
+extension of the last one, and it keeps the last turn's KV held in the engine (``extends``), so
+a turn computes only its new tokens. It owns tools, pending tool results, forks and hints; it
+never blocks the event loop on the engine (engine calls that wait run in a worker thread).
+
+    async with Session(tools=[get_weather]) as s:
+        reply = await s.send("What's the weather in Paris?")
+        async with s.stream("And in Rome?") as turn:
+            async for event in turn: ...
+        children = await s.fork(2)
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from agentx.engine.client import Engine
+from agentx.engine.sampling import SamplingParams
+from agentx.engine.streams import Generation, RequestStream
+from agentx.errors import (
+    SessionClosedError,
+    TurnInProgressError,
+    UnknownToolCallError,
+)
+from agentx.session.context import ChatContext
+from agentx.session.default import get_default_engine
+from agentx.session.hints import Hint, Pin, Priority, Release, make_hints
+from agentx.session.messages import (
+    AssistantMessage,
+    Message,
+    ToolCall,
+    ToolMessage,
+    Usage,
+    coerce_message,
+    to_template_dict,
+)
+from agentx.session.tool_calls import ToolCallParser, render_tools_system_prompt
+from agentx.session.tools import Tool, ToolArgumentsError, make_tools
+from agentx.session.turn import Turn
+
+_DEFAULT_SAMPLING = SamplingParams(max_tokens=512)
+
+
+class Session:
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        *,
+        system: str | None = None,
+        tools=None,
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        self._engine = engine
+        self.system = system
+        self.tools: dict[str, Tool] = make_tools(tools)
+        self.sampling = sampling or _DEFAULT_SAMPLING
+        self._parser = ToolCallParser()
+        self._context: ChatContext | None = None
+        self._messages: list[Message] = []
+        self._pending: list[dict] = []  # tool results and messages for the next turn
+        self._open_calls: dict[str, ToolCall] = {}
+        self._handle: str | None = None  # the engine's held sequence of the last turn
+        self._busy = False
+        self._closed = False
+        self._parent: Session | None = None
+        self._children: list[Session] = []
+        self._priority = 0
+        self._pinned = False
+        self._drop_on_close = False
+        self._hints: list[Hint] = []
+        self.usage = Usage()  # this session's own turns
+        self.total_usage = Usage()  # own turns plus every descendant's
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The engine; without one given, the process-wide default (loaded on first use)."""
+        if self._engine is None:
+            self._engine = get_default_engine()
+        return self._engine
+
+    async def __aenter__(self) -> Session:
+        if self._engine is None:
+            self._engine = await anyio.to_thread.run_sync(get_default_engine)
+        self._ensure_context()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the children, release this session's KV. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for child in list(self._children):
+            await child.close()
+        if self._handle is not None:
+            self.engine.release_kv_soon(self._handle, self._drop_on_close)
+            self._handle = None
+        if self._parent is not None and self in self._parent._children:
+            self._parent._children.remove(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+    @property
+    def children(self) -> list[Session]:
+        return list(self._children)
+
+    def _ensure_context(self) -> ChatContext:
+        if self._context is None:
+            tools_prompt = None
+            if self.tools:
+                tools_prompt = render_tools_system_prompt(
+                    [t.to_dict() for t in self.tools.values()]
+                )
+            self._context = ChatContext(self.engine.tokenizer, self.system, tools_prompt)
+        return self._context
+
+    # ---- turns -------------------------------------------------------------------------------
+
+    def stream(self, message=None, *, sampling: SamplingParams | None = None) -> Turn:
+        """A streaming turn: ``async with s.stream("...") as turn: async for event in turn``.
+
+        ``message`` (a str, a dict or a Message) joins any pending tool results.
+        """
+        new = list(self._pending)
+        if message is not None:
+            new.append(to_template_dict(coerce_message(message)))
+        return Turn(self, new, sampling or self.sampling)
+
+    async def send(self, message=None, *, sampling: SamplingParams | None = None):
+        """One turn to completion: the assistant message (text, tool calls, usage)."""
+        async with self.stream(message, sampling=sampling) as turn:
+            return await turn.get_final_message()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise SessionClosedError("this session is closed")
+        if self._busy:
+            raise TurnInProgressError("a turn is already open on this session")
+
+    def _begin_turn(self) -> tuple:
+        self._check_usable()
+        context = self._ensure_context()
+        self._busy = True
+        return (context.fork(), self._handle, list(self._pending), dict(self._open_calls))
+
+    def _submit(
+        self, prompt: list[int], sampling: SamplingParams, retain_kv: bool
+    ) -> RequestStream:
+        stream = self.engine.add_request(
+            prompt,
+            sampling,
+            priority=self._priority,
+            retain_kv=retain_kv,
+            extends=self._handle,
+            hints=tuple(self._hints),
+        )
+        self._handle = None  # the request adopts it (or it is released when the request runs)
+        self._hints = []
+        return stream
+
+    def _commit_turn(self, gen: Generation, message: AssistantMessage, sent: list[dict]) -> None:
+        self._context.commit_output(gen.token_ids, gen.text, gen.finish_reason)
+        self._handle = gen.request_id if gen.finish_reason in ("stop", "length") else None
+        if self._handle is not None and self._pinned:
+            self.engine.pin_kv_soon(self._handle)
+        # tool results entered the history when they were added
+        self._messages.extend(coerce_message(m) for m in sent if m["role"] != "tool")
+        self._messages.append(message)
+        self._pending = []
+        self._open_calls = {c.id: c for c in message.tool_calls}
+        self._add_usage(message.usage)
+
+    def _end_turn(self, snapshot: tuple, committed: bool) -> None:
+        self._busy = False
+        if committed:
+            return
+        context, handle, pending, open_calls = snapshot
+        self._context, self._pending, self._open_calls = context, pending, open_calls
+        if handle is not None and self._handle is None:
+            # the aborted request may never have run to adopt or release it
+            self.engine.release_kv_soon(handle)
+
+    def _add_usage(self, usage: Usage | None) -> None:
+        if usage is None:
+            return
+        self.usage = self.usage + usage
+        node: Session | None = self
+        while node is not None:
+            node.total_usage = node.total_usage + usage
+            node = node._parent
+
+    # ---- tools -------------------------------------------------------------------------------
+
+    def add_tool_result(self, call_id: str, content: str, is_error: bool = False) -> None:
+        """Answer a tool call of the last assistant message; sent with the next turn."""
+        self._check_usable()
+        call = self._take_call(call_id)
+        self._pending.append({"role": "tool", "content": content})
+        self._messages.append(
+            ToolMessage(tool_call_id=call_id, content=content, is_error=is_error, name=call.name)
+        )
+
+    def _take_call(self, call_id: str) -> ToolCall:
+        call = self._open_calls.pop(call_id, None)
+        if call is None:
+            known = ", ".join(sorted(self._open_calls)) or "none"
+            raise UnknownToolCallError(f"no open tool call {call_id!r} (open calls: {known})")
+        return call
+
+    def tool_result(self, call_id: str):
+        """Stream a tool's result while it runs: each chunk is prefilled as it arrives.
+
+        ``async with s.tool_result(call_id) as out: await out.write(chunk)``
+        """
+        from agentx.session.tool_stream import StreamedToolResult
+
+        return StreamedToolResult(self, call_id)
+
+    async def run(
+        self, message=None, *, max_turns: int = 8, sampling: SamplingParams | None = None
+    ) -> AssistantMessage:
+        """The plain agent loop: generate, run the Python tools the model called (concurrently),
+        feed the results back; stop when a turn makes no tool call or after ``max_turns``."""
+        reply = await self.send(message, sampling=sampling)
+        for _ in range(max_turns - 1):
+            if not reply.tool_calls:
+                break
+            results = await self._execute_all(reply.tool_calls)
+            for call, (content, is_error) in zip(reply.tool_calls, results, strict=True):
+                self.add_tool_result(call.id, content, is_error)
+            reply = await self.send(sampling=sampling)
+        return reply
+
+    async def _execute_all(self, calls: list[ToolCall]) -> list[tuple[str, bool]]:
+        results: list[tuple[str, bool]] = [("", True)] * len(calls)
+
+        async def run_one(i: int, call: ToolCall) -> None:
+            results[i] = await self._execute(call)
+
+        async with anyio.create_task_group() as tg:
+            for i, call in enumerate(calls):
+                tg.start_soon(run_one, i, call)
+        return results
+
+    async def _execute(self, call: ToolCall) -> tuple[str, bool]:
+        if not call.ok:
+            return f"error: the tool call could not be parsed ({call.error})", True
+        tool = self.tools.get(call.name)
+        if tool is None or tool.fn is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            return f"error: no tool named {call.name!r} (tools: {known})", True
+        try:
+            return await tool.invoke(call.arguments), False
+        except ToolArgumentsError as exc:
+            return f"error: {exc}", True
+        except Exception as exc:  # noqa: BLE001 - the model sees the tool's failure
+            return f"error: {type(exc).__name__}: {exc}", True
+
+    # ---- forks -------------------------------------------------------------------------------
+
+    async def fork(self, n: int | None = None):
+        """One child (``n`` None) or a list of ``n``: each continues from this exact context and
+        shares its KV by reference; a child's first turn computes only its new tokens."""
+        self._check_usable()
+        count = 1 if n is None else n
+        handles: list[str] = []
+        if self._handle is not None:
+            handles = await anyio.to_thread.run_sync(self.engine.fork_kv, self._handle, count)
+        children = [self._make_child(handles[i] if handles else None) for i in range(count)]
+        return children[0] if n is None else children
+
+    def _make_child(self, handle: str | None) -> Session:
+        child = Session(self.engine, system=self.system, tools=list(self.tools.values()))
+        child.sampling = self.sampling
+        child._context = self._ensure_context().fork()
+        child._messages = list(self._messages)
+        child._pending = list(self._pending)
+        child._open_calls = dict(self._open_calls)
+        child._handle = handle
+        child._priority = self._priority
+        child._parent = self
+        self._children.append(child)
+        return child
+
+    async def join(
+        self, children: list[Session], *, call_ids: list[str] | None = None, close: bool = True
+    ) -> list[str]:
+        """Fold the children's last answers back: as tool results for ``call_ids`` (one per
+        child), else as one user message for the next turn. Returns the answers."""
+        answers = [child._last_answer() for child in children]
+        if call_ids is not None:
+            if len(call_ids) != len(children):
+                raise UnknownToolCallError("join needs one call id per child")
+            for call_id, answer in zip(call_ids, answers, strict=True):
+                self.add_tool_result(call_id, answer)
+        else:
+            self._check_usable()
+            lines = [f"[{i + 1}] {answer}" for i, answer in enumerate(answers)]
+            self._pending.append(
+                {"role": "user", "content": "Subagent results:\n" + "\n".join(lines)}
+            )
+        if close:
+            for child in children:
+                await child.close()
+        return answers
+
+    def _last_answer(self) -> str:
+        for message in reversed(self._messages):
+            if isinstance(message, AssistantMessage):
+                return message.content
+        return ""
+
+    # ---- hints -------------------------------------------------------------------------------
+
+    def hint(self, *hints: Hint, **shorthand) -> None:
+        """Tell the runtime what comes next (``ToolLatency(8.0)``, ``BranchPoint(4)``,
+        ``TurnsLeft(30)``, ``Priority(-1)``, ``Pin()``, ``Release()``, or keywords such as
+        ``tool_latency=8.0``, ``priority=-1``, ``pin=True``, ``release=True``)."""
+        self._check_closed()
+        for item in make_hints(hints, shorthand):
+            if isinstance(item, Priority):
+                self._priority = item.level
+            elif isinstance(item, Pin):
+                self._pinned = item.pinned
+                if self._handle is not None:
+                    self.engine.pin_kv_soon(self._handle, item.pinned)
+            elif isinstance(item, Release):
+                self._drop_on_close = item.drop_cached
+            self._hints.append(item)
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise SessionClosedError("this session is closed")

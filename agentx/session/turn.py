@@ -1,0 +1,117 @@
+"""One streaming turn: submit the prompt, stream typed events, fold the output into history.
+
+A turn is an async context manager and an async iterator of events::
+
+    async with session.stream("...") as turn:
+        async for event in turn:          # TextDelta, ToolCallEvent, ..., TurnDone
+            ...
+        message = await turn.get_final_message()
+
+Leaving early, an exception or a cancellation aborts the engine request (its blocks are freed)
+and rolls the session back to where it was before the turn. It owns nothing between turns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from agentx.engine.streams import RequestStream
+from agentx.session.events import TextDelta, ToolCallEvent, TurnDone, TurnEvent
+from agentx.session.messages import AssistantMessage, Usage
+from agentx.session.tool_calls import ToolCallStreamFilter
+
+if TYPE_CHECKING:
+    from agentx.session.session import Session
+
+
+class Turn:
+    def __init__(self, session: Session, new_messages: list[dict], sampling) -> None:
+        self._session = session
+        self._new_messages = new_messages
+        self._sampling = sampling
+        self._stream: RequestStream | None = None
+        self._events: AsyncIterator[TurnEvent] | None = None
+        self._snapshot = None
+        self._done: TurnDone | None = None
+        self._t_submit = 0.0
+
+    @property
+    def request_id(self) -> str | None:
+        return self._stream.request_id if self._stream else None
+
+    async def __aenter__(self) -> Turn:
+        self._snapshot = self._session._begin_turn()
+        try:
+            prompt = self._session._context.prompt_for(self._new_messages)
+            self._t_submit = time.perf_counter()
+            self._stream = self._session._submit(prompt, self._sampling, retain_kv=True)
+        except BaseException:
+            self._session._end_turn(self._snapshot, committed=False)
+            raise
+        self._events = self._produce()
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        committed = self._done is not None
+        if not committed and self._stream is not None and not self._stream.finished:
+            self._session.engine.abort(self._stream.request_id)
+        self._session._end_turn(self._snapshot, committed=committed)
+
+    def __aiter__(self) -> Turn:
+        return self
+
+    async def __anext__(self) -> TurnEvent:
+        if self._events is None:
+            raise RuntimeError("iterate a turn inside `async with session.stream(...)`")
+        return await self._events.__anext__()
+
+    async def get_final_message(self) -> AssistantMessage:
+        """Drain the remaining events; the assistant message as it entered the history."""
+        async for _ in self:
+            pass
+        assert self._done is not None
+        return self._done.message
+
+    async def _produce(self) -> AsyncIterator[TurnEvent]:
+        stream = self._stream
+        text_filter = ToolCallStreamFilter(self._session._parser)
+        plain: list[str] = []
+        t_first = None
+        async for out in stream:
+            if t_first is None:
+                t_first = time.perf_counter()
+            if shown := text_filter.push(out.new_text):
+                plain.append(shown)
+                yield TextDelta(text=shown)
+            for call in text_filter.take_calls():
+                yield ToolCallEvent(call=call)
+        tail, calls = text_filter.finish()
+        if tail:
+            plain.append(tail)
+            yield TextDelta(text=tail)
+        for call in text_filter.take_calls():  # an unterminated block, reported at the end
+            yield ToolCallEvent(call=call)
+        self._done = self._finish(stream, "".join(plain), calls, t_first)
+        yield self._done
+
+    def _finish(
+        self, stream: RequestStream, plain: str, calls: list, t_first: float | None
+    ) -> TurnDone:
+        gen = stream.to_generation()
+        t_end = time.perf_counter()
+        decode_s = t_end - t_first if t_first is not None else 0.0
+        usage = Usage(
+            prompt_tokens=gen.usage.prompt_tokens,
+            cached_tokens=gen.usage.cached_tokens,
+            computed_tokens=gen.usage.computed_prompt_tokens,
+            output_tokens=gen.usage.output_tokens,
+            ttft_s=(t_first - self._t_submit) if t_first is not None else None,
+            output_tokens_per_s=(gen.usage.output_tokens - 1) / decode_s if decode_s > 0 else None,
+        )
+        message = AssistantMessage(
+            content=plain, tool_calls=calls, finish_reason=gen.finish_reason, usage=usage
+        )
+        self._session._commit_turn(gen, message, self._new_messages)
+        return TurnDone(message=message, usage=usage)

@@ -128,19 +128,25 @@ class Session:
 
     # ---- turns -------------------------------------------------------------------------------
 
-    def stream(self, message=None, *, sampling: SamplingParams | None = None) -> Turn:
+    def stream(
+        self, message=None, *, sampling: SamplingParams | None = None, prefill: str | None = None
+    ) -> Turn:
         """A streaming turn: ``async with s.stream("...") as turn: async for event in turn``.
 
-        ``message`` (a str, a dict or a Message) joins any pending tool results.
+        ``message`` (a str, a dict or a Message) joins any pending tool results. ``prefill``
+        starts the assistant's reply with the given text (e.g. ``"<tool_call>"`` to make a
+        small model answer with a tool call); it is part of the reply and of the history.
         """
         new = list(self._pending)
         if message is not None:
             new.append(to_template_dict(coerce_message(message)))
-        return Turn(self, new, sampling or self.sampling)
+        return Turn(self, new, sampling or self.sampling, prefill)
 
-    async def send(self, message=None, *, sampling: SamplingParams | None = None):
+    async def send(
+        self, message=None, *, sampling: SamplingParams | None = None, prefill: str | None = None
+    ) -> AssistantMessage:
         """One turn to completion: the assistant message (text, tool calls, usage)."""
-        async with self.stream(message, sampling=sampling) as turn:
+        async with self.stream(message, sampling=sampling, prefill=prefill) as turn:
             return await turn.get_final_message()
 
     def _check_usable(self) -> None:
@@ -170,8 +176,16 @@ class Session:
         self._hints = []
         return stream
 
-    def _commit_turn(self, gen: Generation, message: AssistantMessage, sent: list[dict]) -> None:
-        self._context.commit_output(gen.token_ids, gen.text, gen.finish_reason)
+    def _commit_turn(
+        self,
+        gen: Generation,
+        message: AssistantMessage,
+        sent: list[dict],
+        prefill_ids: list[int],
+        prefill: str,
+    ) -> None:
+        output_ids = prefill_ids + gen.token_ids
+        self._context.commit_output(output_ids, prefill + gen.text, gen.finish_reason)
         self._handle = gen.request_id if gen.finish_reason in ("stop", "length") else None
         if self._handle is not None and self._pinned:
             self.engine.pin_kv_soon(self._handle)

@@ -49,9 +49,20 @@ _FORMAT = (
 
 def render_tools_system_prompt(tools: list[dict[str, Any]], base: str | None = None) -> str:
     """The function-calling system prompt for ``tools`` (``Tool.to_dict()`` dicts) + ``base``."""
-    listing = f"You have access to the following tools:\n<tools>{_dumps(tools)}</tools>"
+    listing = f"You have access to the following tools:\n<tools>{_dumps(_brief(tools))}</tools>"
     prompt = "\n\n".join([_INTRO, listing, _FORMAT + _FORMAT_EXAMPLE])
     return f"{prompt}\n\n{base}" if base else prompt
+
+
+def _brief(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool dicts without validation-only schema keys: small models copy what they are shown,
+    and an ``additionalProperties`` in the listing comes back as a bogus argument."""
+    out = []
+    for spec in tools:
+        params = spec.get("parameters", {})
+        shown = {k: v for k, v in params.items() if k in ("type", "properties", "required")}
+        out.append({**spec, "parameters": shown})
+    return out
 
 
 def render_tool_calls(calls: list[ToolCall]) -> str:

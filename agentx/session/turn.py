@@ -27,10 +27,14 @@ if TYPE_CHECKING:
 
 
 class Turn:
-    def __init__(self, session: Session, new_messages: list[dict], sampling) -> None:
+    def __init__(
+        self, session: Session, new_messages: list[dict], sampling, prefill: str | None = None
+    ) -> None:
         self._session = session
         self._new_messages = new_messages
         self._sampling = sampling
+        self._prefill = prefill or ""
+        self._prefill_ids: list[int] = []
         self._stream: RequestStream | None = None
         self._events: AsyncIterator[TurnEvent] | None = None
         self._snapshot = None
@@ -45,6 +49,9 @@ class Turn:
         self._snapshot = self._session._begin_turn()
         try:
             prompt = self._session._context.prompt_for(self._new_messages)
+            if self._prefill:  # the assistant's reply starts with this text, as if generated
+                self._prefill_ids = self._session.engine.tokenizer.encode(self._prefill)
+                prompt += self._prefill_ids
             self._t_submit = time.perf_counter()
             self._stream = self._session._submit(prompt, self._sampling, retain_kv=True)
         except BaseException:
@@ -79,6 +86,9 @@ class Turn:
         text_filter = ToolCallStreamFilter(self._session._parser)
         plain: list[str] = []
         t_first = None
+        if shown := text_filter.push(self._prefill):
+            plain.append(shown)
+            yield TextDelta(text=shown)
         async for out in stream:
             if t_first is None:
                 t_first = time.perf_counter()
@@ -113,5 +123,7 @@ class Turn:
         message = AssistantMessage(
             content=plain, tool_calls=calls, finish_reason=gen.finish_reason, usage=usage
         )
-        self._session._commit_turn(gen, message, self._new_messages)
+        self._session._commit_turn(
+            gen, message, self._new_messages, self._prefill_ids, self._prefill
+        )
         return TurnDone(message=message, usage=usage)

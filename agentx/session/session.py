@@ -243,11 +243,17 @@ class Session:
         return StreamedToolResult(self, call_id)
 
     async def run(
-        self, message=None, *, max_turns: int = 8, sampling: SamplingParams | None = None
+        self,
+        message=None,
+        *,
+        max_turns: int = 8,
+        sampling: SamplingParams | None = None,
+        prefill: str | None = None,
     ) -> AssistantMessage:
         """The plain agent loop: generate, run the Python tools the model called (concurrently),
-        feed the results back; stop when a turn makes no tool call or after ``max_turns``."""
-        reply = await self.send(message, sampling=sampling)
+        feed the results back; stop when a turn makes no tool call or after ``max_turns``.
+        ``prefill`` starts the first reply only."""
+        reply = await self.send(message, sampling=sampling, prefill=prefill)
         for _ in range(max_turns - 1):
             if not reply.tool_calls:
                 break

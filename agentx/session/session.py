@@ -118,12 +118,15 @@ class Session:
 
     def _ensure_context(self) -> ChatContext:
         if self._context is None:
-            tools_prompt = None
-            if self.tools:
-                tools_prompt = render_tools_system_prompt(
-                    [t.to_dict() for t in self.tools.values()]
-                )
-            self._context = ChatContext(self.engine.tokenizer, self.system, tools_prompt)
+            tokenizer = self.engine.tokenizer
+            specs = [t.to_dict() for t in self.tools.values()] or None
+            # a template that renders tools gets them; otherwise (SmolLM2) the session writes
+            # the model's own function-calling system prompt
+            native = specs is not None and "tools" in (tokenizer.chat_template or "")
+            tools_prompt = render_tools_system_prompt(specs) if specs and not native else None
+            self._context = ChatContext(
+                tokenizer, self.system, tools_prompt, tools=specs if native else None
+            )
         return self._context
 
     # ---- turns -------------------------------------------------------------------------------

@@ -17,6 +17,22 @@ def token_for(request_id: str, index: int) -> int:
     return (hash(request_id) + 7 * index) % 50 + 1000
 
 
+def step(s: Scheduler, cfg: SchedulerConfig, outputs: dict[str, list[int]]) -> None:
+    """One step with the fake model, checking the budget, the cap and every invariant."""
+    out = s.schedule()
+    assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+    if cfg.long_prefill_token_threshold:
+        assert all(len(x.token_ids) <= cfg.long_prefill_token_threshold for x in out.scheduled)
+    sampled = {
+        x.request_id: token_for(x.request_id, x.num_output_tokens)
+        for x in out.scheduled
+        if x.sample
+    }
+    for delta in s.update_from_output(out, ModelRunnerOutput(sampled)):
+        outputs[delta.request_id] += delta.new_token_ids
+    s.check_integrity()
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_random_workload_keeps_invariants_and_outputs(seed, policy):
@@ -50,28 +66,9 @@ def test_random_workload_keeps_invariants_and_outputs(seed, policy):
             rid = rng.choice(sorted(s.requests))
             s.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
             aborted.add(rid)
-        out = s.schedule()
-        assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
-        if cfg.long_prefill_token_threshold:
-            assert all(len(x.token_ids) <= cfg.long_prefill_token_threshold for x in out.scheduled)
-        sampled = {
-            x.request_id: token_for(x.request_id, x.num_output_tokens)
-            for x in out.scheduled
-            if x.sample
-        }
-        for delta in s.update_from_output(out, ModelRunnerOutput(sampled)):
-            outputs[delta.request_id] += delta.new_token_ids
-        s.check_integrity()
+        step(s, cfg, outputs)
     while s.has_unfinished_requests():
-        out = s.schedule()
-        sampled = {
-            x.request_id: token_for(x.request_id, x.num_output_tokens)
-            for x in out.scheduled
-            if x.sample
-        }
-        for delta in s.update_from_output(out, ModelRunnerOutput(sampled)):
-            outputs[delta.request_id] += delta.new_token_ids
-        s.check_integrity()
+        step(s, cfg, outputs)
     assert kv.get_num_used_blocks() == 0
     for rid, tokens in outputs.items():
         if rid in aborted:

@@ -76,7 +76,7 @@ async def streamed_turn(session: Session, label: str, message=None, **kwargs):
                 print(f"\n[{label}]   -> tool call {call.name}({shown})", end="")
             elif event.type == "turn.done":
                 print(f"\n[{label}]   {cache_line(event.usage)}")
-                return event.message
+        return await turn.get_final_message()
 
 
 async def run_tools(session: Session, reply) -> None:

@@ -1,0 +1,32 @@
+"""The examples run to completion on the default model (they are what `make demo` shows)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        ("quickstart.py", ["-> tool call add(", "forked 2 subagents", "total usage"]),
+        ("coding_agent.py", ["-> grep(", "agentx/engine/scheduler/scheduler.py"]),
+        ("eval_fanout.py", ["subagents forked from", "score:"]),
+    ],
+)
+def test_example_runs(script, expected):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for line in expected:
+        assert line in proc.stdout, f"{line!r} missing from {script} output"

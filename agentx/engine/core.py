@@ -8,7 +8,9 @@ strings (which need text, so the scheduler cannot).
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -18,12 +20,13 @@ from agentx.engine.kv_cache import KVCacheManager
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.tokenizer import Tokenizer
-from agentx.engine.outputs import EngineStats, RequestOutput
+from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
 from agentx.engine.request import Request, RequestStatus
 from agentx.engine.runner import ModelRunner
 from agentx.engine.runner.model_runner import DTYPES
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.scheduler import Scheduler, make_output
+from agentx.engine.structured import GrammarBackend
 from agentx.errors import InvalidRequestError, PromptTooLongError
 
 
@@ -85,6 +88,9 @@ class EngineCore:
         )
         self._texts: dict[str, _TextState] = {}
         self._rng = random.Random(config.seed)
+        self._grammar: GrammarBackend | None = None  # built on the first structured request
+        self._grammar_lock = threading.Lock()
+        self._mask_worker: ThreadPoolExecutor | None = None
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -116,6 +122,9 @@ class EngineCore:
         if not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an int, got {priority!r}")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
+        grammar = None
+        if sampling.structured is not None:  # compiled here, on the caller's thread
+            grammar = self._grammar_backend().new_matcher(sampling.structured)
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -128,6 +137,7 @@ class EngineCore:
             retain_kv=retain_kv,
             extends=extends,
             hints=tuple(hints),
+            grammar=grammar,
         )
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -161,6 +171,39 @@ class EngineCore:
             outputs.append(replace(make_output(request, []), new_text=text.flush()))
         return outputs
 
+    # ---- structured output (structured.py) -----------------------------------------------
+
+    def _grammar_backend(self) -> GrammarBackend:
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarBackend(
+                    self.tokenizer.backend.to_str(), self.spec.vocab_size, self.eos_token_ids
+                )
+            return self._grammar
+
+    def _grammar_masks(self, sched_out: SchedulerOutput) -> GrammarMasks | None:
+        """Start the token bitmasks of constrained requests that sample this step; they are
+        computed on a worker thread while the model runs."""
+        requests = self.scheduler.requests
+        constrained = [
+            requests[item.request_id]
+            for item in sched_out.scheduled
+            if item.sample and requests[item.request_id].grammar is not None
+        ]
+        if not constrained:
+            return None
+        backend = self._grammar_backend()
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="agentx-grammar")
+
+        def fill() -> torch.Tensor:
+            bitmask = backend.allocate_bitmask(len(constrained))
+            for row, request in enumerate(constrained):
+                request.grammar.fill_bitmask(bitmask, row)
+            return bitmask
+
+        return GrammarMasks([r.request_id for r in constrained], self._mask_worker.submit(fill))
+
     # ---- held sequences (kv_cache/held.py) ------------------------------------------------
 
     def fork_kv(self, handle: str, new_handles: list[str]) -> bool:
@@ -186,7 +229,8 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        runner_out = self.runner.execute(sched_out)
+        masks = self._grammar_masks(sched_out)
+        runner_out = self.runner.execute(sched_out, masks)
         deltas = self.scheduler.update_from_output(sched_out, runner_out)
         return [self._with_text(d) for d in deltas]
 

@@ -6,6 +6,7 @@ Scheduler --RequestOutput (per request delta)--> Engine client --> collectors
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from agentx.engine.sampling import SamplingParams
@@ -41,6 +42,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarMasks:
+    """Token bitmasks for the constrained requests sampling this step, one row each in
+    ``request_ids`` order; ``future`` resolves to an int32 (N, ceil(V / 32)) tensor."""
+
+    request_ids: list[str]
+    future: Future
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes
 from agentx.engine.sampling import SamplingParams
+from agentx.engine.structured import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -50,6 +51,7 @@ class Request:
     retain_kv: bool = False  # when it finishes, hold its KV under its id (see kv_cache/held.py)
     extends: str | None = None  # a held sequence this request continues
     hints: tuple = ()  # the session's hints (agentx.session.hints) for tiers and policies
+    grammar: GrammarMatcher | None = None  # set when sampling.structured is
     arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -85,6 +87,8 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if self.num_tokens % self.block_size == 0:
             self._update_block_hashes()
 
@@ -95,10 +99,15 @@ class Request:
         """Finish the request if its last token ends it. Returns True if it did."""
         last = self.all_token_ids[-1]
         sampling = self.sampling
-        if not sampling.ignore_eos and last in self.eos_token_ids:
+        if self.grammar is not None and self.grammar.is_terminated:
+            reason = last if last in self.eos_token_ids else "grammar"
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, reason
+        elif not sampling.ignore_eos and last in self.eos_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
         elif last in sampling.stop_token_ids:
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
         elif self.num_output_tokens >= sampling.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
+            if self.grammar is not None and not self.grammar.is_accepting:
+                self.stop_reason = "grammar_incomplete"  # cut off before the grammar could end
         return self.status.is_finished

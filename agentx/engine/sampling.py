@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentx.engine.structured import StructuredOutput
 from agentx.errors import SamplingParamsError
 
 
@@ -22,6 +23,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # constrain the output to a grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +45,8 @@ class SamplingParams:
             raise SamplingParamsError(f"seed must be an int or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError(f"stop strings must be non-empty str, got {self.stop!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise SamplingParamsError("structured must be a StructuredOutput")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids must be ints >= 0: {self.stop_token_ids!r}")
 

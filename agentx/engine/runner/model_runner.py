@@ -14,10 +14,11 @@ from agentx.engine.kv_cache import BlockCopy, FullAttentionSpec, KVCacheGroup, K
 from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.registry import get_model_class
 from agentx.engine.models.spec import ModelSpec
-from agentx.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from agentx.engine.parallel import SINGLE, ParallelState
 from agentx.engine.runner.input_batch import InputBatch
 from agentx.engine.runner.sampler import sample
+from agentx.engine.structured import apply_bitmask
 from agentx.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -85,7 +86,7 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
         batch = self.input_batch.prepare(out)
         ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches)
         with forward_context(ctx):
@@ -94,6 +95,12 @@ class ModelRunner:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])
         items = [out.scheduled[i] for i in batch.sample_rows]
+        if masks is not None:
+            row_of = {it.request_id: row for row, it in enumerate(items)}
+            rows = torch.tensor([row_of[rid] for rid in masks.request_ids], device=self.device)
+            constrained = logits[rows].cpu()
+            apply_bitmask(constrained, masks.future.result())
+            logits[rows] = constrained.to(logits.device)
         token_ids = sample(
             logits,
             [it.sampling for it in items],

@@ -8,13 +8,15 @@ refuse anything outside it; none of them writes):
 - ``grep(pattern, path)``: regular-expression matches as JSON ``{path, line, text}``.
 
 The default model (SmolLM2-135M-Instruct) does not plan a search on its own, so each tool turn
-starts the reply for it with ``prefill``, up to the opening quote of the first argument, and
-the model fills in the value: the grep pattern from the question (turn 1), the file to read
-from the grep results (turn 2), the folder to list from the file it read (turn 3). Each result
-is fed back with ``add_tool_result`` and goes out with the next turn. The last turn is
-prefilled with plain text (``"Summary:"``), which keeps the model from calling yet another tool,
-and it summarizes. The model's mistakes are reported, never hidden: a malformed call or a tool
-error goes back to it as an error result. Every turn extends the one before, so after the first
+names the tool with ``tool_choice={"name": ...}`` and the model fills in the arguments: the
+grep pattern from the question (turn 1), the file to read from the grep results (turn 2), the
+folder to list from the file it read (turn 3). The engine samples under a grammar, so every
+call is well-formed and its arguments match the tool's schema (no invented keys, right types).
+Each result is fed back with ``add_tool_result`` and goes out with the next turn. The last turn
+starts the reply with plain text (``prefill="Summary:"``), which keeps the model from calling
+yet another tool and steers it into a summary (``tool_choice="none"`` would only forbid the
+call). A wrong value (a path that does not exist) still reaches the tool, whose error goes
+back to the model as an error result. Every turn extends the one before, so after the first
 turn only the new tokens (tool results, the next question) are computed: see the cache
 statistics printed per turn.
 
@@ -47,8 +49,8 @@ SYSTEM = "You are a coding assistant. You answer questions about a Python reposi
 QUESTION = "Which file defines the scheduler?"
 # Anchored, with the colon: only the definition matches, not SchedulerConfig nor this line.
 PATTERN = "^class Scheduler:"
-# Stop at the end of a call block: a small model keeps writing after it otherwise.
-CALL_TURN = SamplingParams(max_tokens=48, stop=("</tool_call>",), include_stop_str_in_output=True)
+# A constrained call ends with its block: the grammar allows nothing after </tool_call>.
+CALL_TURN = SamplingParams(max_tokens=64)
 ANSWER_TURN = SamplingParams(max_tokens=64)
 
 
@@ -136,18 +138,13 @@ def cache_line(usage: Usage | None) -> str:
 async def execute(session: Session, call: ToolCall) -> str:
     """Run one call and hand its result to the session (errors go back to the model too)."""
     tool = session.tools.get(call.name)
-    if not call.ok or tool is None:
+    if not call.ok or tool is None:  # only when max_tokens cuts a call short
         print(f"  -> {call.raw or call.name}")
         result, is_error = f"error: cannot run {call.name!r}: {call.error or 'no such tool'}", True
     else:
-        # The 135M model copies schema keys ("type": "string") into its arguments: drop keys
-        # the tool does not take rather than failing the call.
-        known = tool.parameters.get("properties", {})
-        arguments = {k: v for k, v in call.arguments.items() if k in known}
-        dropped = sorted(set(call.arguments) - set(arguments))
-        print(f"  -> {call.name}({arguments})" + (f"  (dropped {dropped})" if dropped else ""))
+        print(f"  -> {call.name}({call.arguments})")
         try:
-            result, is_error = await tool.invoke(arguments), False
+            result, is_error = await tool.invoke(call.arguments), False
         except Exception as exc:  # noqa: BLE001 - the model sees the tool's failure
             result, is_error = f"error: {type(exc).__name__}: {exc}", True
     lines = result.splitlines()
@@ -159,23 +156,22 @@ async def execute(session: Session, call: ToolCall) -> str:
     return result
 
 
-async def turn(session: Session, label: str, message=None, prefill=None) -> AssistantMessage:
-    sampling = CALL_TURN if prefill and prefill.startswith("<tool_call>") else ANSWER_TURN
+async def turn(
+    session: Session, label: str, message=None, tool_choice=None, prefill=None
+) -> AssistantMessage:
+    sampling = CALL_TURN if tool_choice else ANSWER_TURN
     print(f"\n[{label}] " + (f"user: {message}" if message else "(sends the tool results)"))
+    if tool_choice:
+        print(f"[{label}] tool_choice={tool_choice!r}")
     if prefill:
         print(f"[{label}] reply prefilled with {prefill!r}")
-    reply = await session.send(message, prefill=prefill, sampling=sampling)
+    reply = await session.send(message, tool_choice=tool_choice, prefill=prefill, sampling=sampling)
     if reply.content.strip():
         print(f"[{label}] assistant: {reply.content.strip()}")
     print(f"[{label}] {cache_line(reply.usage)}")
     for call in reply.tool_calls:
         await execute(session, call)
     return reply
-
-
-def call_prefill(tool_name: str, argument: str) -> str:
-    """The start of a call to ``tool_name`` up to the opening quote of its first argument."""
-    return f'<tool_call>[{{"name": "{tool_name}", "arguments": {{"{argument}": "'
 
 
 async def main() -> None:
@@ -193,14 +189,14 @@ async def main() -> None:
 
         # Turn 1: the model fills in the grep pattern.
         task = f'{args.question} Use grep with the pattern "{args.pattern}".'
-        await turn(s, "turn 1", task, prefill=call_prefill("grep", "pattern"))
+        await turn(s, "turn 1", task, tool_choice={"name": "grep"})
         # Turn 2: the model picks the file to read from the grep results it was just sent.
-        reply = await turn(s, "turn 2", prefill=call_prefill("read_file", "path"))
+        reply = await turn(s, "turn 2", tool_choice={"name": "read_file"})
         # Turn 3: a look around the file it read; the model names the folder to list.
         read = [c.arguments["path"] for c in reply.tool_calls if "path" in c.arguments]
         if read:
             look = f"What else is in the folder of {read[0]}?"
-            await turn(s, "turn 3", look, prefill=call_prefill("list_dir", "path"))
+            await turn(s, "turn 3", look, tool_choice={"name": "list_dir"})
         # Last turn: a plain-text prefill keeps the model from calling another tool.
         ask = f"{args.question} Summarize what you found."
         await turn(s, "turn 4", ask, prefill="Summary:")

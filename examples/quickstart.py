@@ -2,8 +2,9 @@
 
 What it shows, on the embedded SmolLM2-135M-Instruct (loaded once, shared process-wide):
 
-1. a streamed turn whose reply is started with ``prefill="<tool_call>["`` so the tiny model
-   reliably writes a call to the ``add`` tool; the call arrives as a ``tool_call`` event;
+1. a streamed turn with ``tool_choice={"name": "add"}``: the engine samples only what a call to
+   ``add`` with valid arguments allows, so even the tiny model always writes one; the call
+   arrives as a ``tool_call`` event;
 2. the tool run as plain Python and its result fed back with ``add_tool_result``;
 3. a streamed turn that continues from the result;
 4. ``fork(2)``: two subagents answer different follow-ups concurrently (one anyio task group);
@@ -24,8 +25,8 @@ import anyio
 
 from agentx import SamplingParams, Session, Usage
 
-# Small models run on after a call; stopping at the block's end keeps the turn short.
-CALL_TURN = SamplingParams(max_tokens=40, stop=("</tool_call>",), include_stop_str_in_output=True)
+# A constrained call ends with its block: the grammar allows nothing after </tool_call>.
+CALL_TURN = SamplingParams(max_tokens=40)
 ANSWER_TURN = SamplingParams(max_tokens=40)
 
 
@@ -63,8 +64,8 @@ def cache_line(usage: Usage | None) -> str:
 async def streamed_turn(session: Session, label: str, message=None, **kwargs):
     """One turn streamed to stdout; returns the assistant message."""
     print(f"\n[{label}] user: {message}" if message else f"\n[{label}] (sends the tool results)")
-    if kwargs.get("prefill"):
-        print(f"[{label}] (reply prefilled with {kwargs['prefill']!r})")
+    if kwargs.get("tool_choice"):
+        print(f"[{label}] (tool_choice={kwargs['tool_choice']!r})")
     print(f"[{label}] assistant: ", end="", flush=True)
     async with session.stream(message, **kwargs) as turn:
         async for event in turn:
@@ -96,9 +97,9 @@ async def main() -> None:
     async with Session(tools=[add, multiply], sampling=ANSWER_TURN) as s:
         print(f"model loaded in {time.perf_counter() - t0:.1f}s; tools: {', '.join(s.tools)}")
 
-        # 1-3: a tool call (forced by the prefill), its result, and the answer that uses it.
+        # 1-3: a tool call (forced by tool_choice), its result, and the answer that uses it.
         reply = await streamed_turn(
-            s, "turn 1", "What is 17 + 25?", prefill="<tool_call>[", sampling=CALL_TURN
+            s, "turn 1", "What is 17 + 25?", tool_choice={"name": "add"}, sampling=CALL_TURN
         )
         await run_tools(s, reply)
         await streamed_turn(s, "turn 2")

@@ -123,13 +123,20 @@ class UserMessage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """A model answer: plain text (tool-call markup removed) and the calls it made."""
+    """A model answer: plain text (tool-call markup removed) and the calls it made.
+
+    A turn with ``response_format`` sets ``parsed`` to the validated answer (the pydantic
+    model's instance, or a dict for a JSON schema), or ``parse_error`` when the reply was cut
+    short (``finish_reason == "length"``) or failed a check the grammar could not express.
+    """
 
     role: Literal["assistant"] = "assistant"
     content: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    parsed: Any = None
+    parse_error: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod

@@ -10,6 +10,10 @@ never blocks the event loop on the engine (engine calls that wait run in a worke
         async with s.stream("And in Rome?") as turn:
             async for event in turn: ...
         children = await s.fork(2)
+
+A turn may be constrained (``constraints.py``): ``tool_choice="required"`` (or ``"auto"``,
+``"none"``, ``{"name": "get_weather"}``) or ``response_format=Model``; the engine then samples
+only what the grammar allows, so the calls parse and validate, or the answer is ``parsed``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from agentx.errors import (
     TurnInProgressError,
     UnknownToolCallError,
 )
+from agentx.session.constraints import ResponseFormat, ToolChoice, make_turn_constraint
 from agentx.session.context import ChatContext
 from agentx.session.default import get_default_engine
 from agentx.session.hints import Hint, Pin, Priority, Release, make_hints
@@ -132,24 +137,50 @@ class Session:
     # ---- turns -------------------------------------------------------------------------------
 
     def stream(
-        self, message=None, *, sampling: SamplingParams | None = None, prefill: str | None = None
+        self,
+        message=None,
+        *,
+        sampling: SamplingParams | None = None,
+        prefill: str | None = None,
+        tool_choice: ToolChoice | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> Turn:
         """A streaming turn: ``async with s.stream("...") as turn: async for event in turn``.
 
         ``message`` (a str, a dict or a Message) joins any pending tool results. ``prefill``
-        starts the assistant's reply with the given text (e.g. ``"<tool_call>"`` to make a
-        small model answer with a tool call); it is part of the reply and of the history.
+        starts the assistant's reply with the given text; it is part of the reply and of the
+        history. ``tool_choice`` (``"auto"``, ``"required"``, ``"none"``, ``{"name": ...}``)
+        or ``response_format`` (a pydantic model class or a JSON schema) constrain this turn's
+        reply with a grammar; neither combines with the other nor with ``prefill``
+        (InvalidRequestError, raised here).
         """
+        sampling = sampling or self.sampling
+        constraint = make_turn_constraint(list(self.tools.values()), tool_choice, response_format)
+        if constraint is not None:
+            sampling = constraint.sampling_for(sampling, prefill)
         new = list(self._pending)
         if message is not None:
             new.append(to_template_dict(coerce_message(message)))
-        return Turn(self, new, sampling or self.sampling, prefill)
+        return Turn(self, new, sampling, prefill, constraint)
 
     async def send(
-        self, message=None, *, sampling: SamplingParams | None = None, prefill: str | None = None
+        self,
+        message=None,
+        *,
+        sampling: SamplingParams | None = None,
+        prefill: str | None = None,
+        tool_choice: ToolChoice | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> AssistantMessage:
-        """One turn to completion: the assistant message (text, tool calls, usage)."""
-        async with self.stream(message, sampling=sampling, prefill=prefill) as turn:
+        """One turn to completion: the assistant message (text, tool calls, usage, and
+        ``parsed`` with ``response_format``)."""
+        async with self.stream(
+            message,
+            sampling=sampling,
+            prefill=prefill,
+            tool_choice=tool_choice,
+            response_format=response_format,
+        ) as turn:
             return await turn.get_final_message()
 
     def _check_usable(self) -> None:
@@ -252,11 +283,21 @@ class Session:
         max_turns: int = 8,
         sampling: SamplingParams | None = None,
         prefill: str | None = None,
+        tool_choice: ToolChoice | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> AssistantMessage:
         """The plain agent loop: generate, run the Python tools the model called (concurrently),
         feed the results back; stop when a turn makes no tool call or after ``max_turns``.
-        ``prefill`` starts the first reply only."""
-        reply = await self.send(message, sampling=sampling, prefill=prefill)
+        ``prefill``, ``tool_choice`` and ``response_format`` apply to the first turn only:
+        later turns are unconstrained, so the model can answer from the tool results (a
+        ``response_format`` reply makes no call, so the loop ends with it)."""
+        reply = await self.send(
+            message,
+            sampling=sampling,
+            prefill=prefill,
+            tool_choice=tool_choice,
+            response_format=response_format,
+        )
         for _ in range(max_turns - 1):
             if not reply.tool_calls:
                 break
@@ -295,7 +336,8 @@ class Session:
 
     async def fork(self, n: int | None = None):
         """One child (``n`` None) or a list of ``n``: each continues from this exact context and
-        shares its KV by reference; a child's first turn computes only its new tokens."""
+        shares its KV by reference; a child's first turn computes only its new tokens. A child
+        starts with no grammar: ``tool_choice`` / ``response_format`` end with their turn."""
         self._check_usable()
         count = 1 if n is None else n
         handles: list[str] = []

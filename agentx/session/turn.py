@@ -9,6 +9,10 @@ A turn is an async context manager and an async iterator of events::
 
 Leaving early, an exception or a cancellation aborts the engine request (its blocks are freed)
 and rolls the session back to where it was before the turn. It owns nothing between turns.
+
+A turn may carry a ``TurnConstraint`` (``constraints.py``): its grammar is already in the
+sampling params; the turn only decides whether the reply is read for tool calls and validates a
+JSON answer into ``AssistantMessage.parsed``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from agentx.engine.streams import RequestStream
+from agentx.session.constraints import TurnConstraint
 from agentx.session.events import TextDelta, ToolCallEvent, TurnDone, TurnEvent
 from agentx.session.messages import AssistantMessage, Usage
 from agentx.session.tool_calls import ToolCallStreamFilter
@@ -28,12 +33,18 @@ if TYPE_CHECKING:
 
 class Turn:
     def __init__(
-        self, session: Session, new_messages: list[dict], sampling, prefill: str | None = None
+        self,
+        session: Session,
+        new_messages: list[dict],
+        sampling,
+        prefill: str | None = None,
+        constraint: TurnConstraint | None = None,
     ) -> None:
         self._session = session
         self._new_messages = new_messages
         self._sampling = sampling
         self._prefill = prefill or ""
+        self._constraint = constraint
         self._prefill_ids: list[int] = []
         self._stream: RequestStream | None = None
         self._events: AsyncIterator[TurnEvent] | None = None
@@ -83,7 +94,10 @@ class Turn:
 
     async def _produce(self) -> AsyncIterator[TurnEvent]:
         stream = self._stream
-        text_filter = ToolCallStreamFilter(self._session._parser)
+        if self._constraint is None or self._constraint.parse_tool_calls:
+            text_filter = ToolCallStreamFilter(self._session._parser)
+        else:
+            text_filter = _PlainText()
         plain: list[str] = []
         t_first = None
         if shown := text_filter.push(self._prefill):
@@ -120,10 +134,41 @@ class Turn:
             ttft_s=(t_first - self._t_submit) if t_first is not None else None,
             output_tokens_per_s=(gen.usage.output_tokens - 1) / decode_s if decode_s > 0 else None,
         )
+        parsed, parse_error = self._validate(plain, gen.finish_reason)
         message = AssistantMessage(
-            content=plain, tool_calls=calls, finish_reason=gen.finish_reason, usage=usage
+            content=plain,
+            tool_calls=calls,
+            finish_reason=gen.finish_reason,
+            usage=usage,
+            parsed=parsed,
+            parse_error=parse_error,
         )
         self._session._commit_turn(
             gen, message, self._new_messages, self._prefill_ids, self._prefill
         )
         return TurnDone(message=message, usage=usage)
+
+    def _validate(self, text: str, finish_reason: str | None) -> tuple[object, str | None]:
+        """``(parsed, parse_error)`` of a JSON answer; ``(None, None)`` without one."""
+        validate = self._constraint.validate if self._constraint is not None else None
+        if validate is None:
+            return None, None
+        if finish_reason != "stop":
+            return None, f"the answer is incomplete (finish_reason {finish_reason!r})"
+        try:
+            return validate(text), None
+        except ValueError as exc:  # json and pydantic errors both are
+            return None, f"the answer does not validate: {exc}"
+
+
+class _PlainText:
+    """A ``ToolCallStreamFilter`` that finds no calls: a JSON answer is shown as it is."""
+
+    def push(self, delta: str) -> str:
+        return delta
+
+    def take_calls(self) -> list:
+        return []
+
+    def finish(self) -> tuple[str, list]:
+        return "", []

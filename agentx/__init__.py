@@ -16,6 +16,7 @@ from agentx.engine.client import Engine
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream, RequestUsage
+from agentx.engine.structured import StructuredOutput
 from agentx.errors import (
     AgentXError,
     ConfigError,
@@ -88,6 +89,7 @@ __all__ = [
     "Session",
     "SessionClosedError",
     "SessionError",
+    "StructuredOutput",
     "SystemMessage",
     "TextDelta",
     "Tool",

@@ -42,7 +42,8 @@ from agentx.session.messages import (
     to_template_dict,
 )
 from agentx.session.tool_calls import ToolCallParser, render_tools_system_prompt
-from agentx.session.tools import Tool, ToolArgumentsError, make_tools
+from agentx.session.tool_exec import execute_calls
+from agentx.session.tools import Tool, make_tools
 from agentx.session.turn import Turn
 
 _DEFAULT_SAMPLING = SamplingParams(max_tokens=512)
@@ -301,36 +302,11 @@ class Session:
         for _ in range(max_turns - 1):
             if not reply.tool_calls:
                 break
-            results = await self._execute_all(reply.tool_calls)
+            results = await execute_calls(self.tools, reply.tool_calls)
             for call, (content, is_error) in zip(reply.tool_calls, results, strict=True):
                 self.add_tool_result(call.id, content, is_error)
             reply = await self.send(sampling=sampling)
         return reply
-
-    async def _execute_all(self, calls: list[ToolCall]) -> list[tuple[str, bool]]:
-        results: list[tuple[str, bool]] = [("", True)] * len(calls)
-
-        async def run_one(i: int, call: ToolCall) -> None:
-            results[i] = await self._execute(call)
-
-        async with anyio.create_task_group() as tg:
-            for i, call in enumerate(calls):
-                tg.start_soon(run_one, i, call)
-        return results
-
-    async def _execute(self, call: ToolCall) -> tuple[str, bool]:
-        if not call.ok:
-            return f"error: the tool call could not be parsed ({call.error})", True
-        tool = self.tools.get(call.name)
-        if tool is None or tool.fn is None:
-            known = ", ".join(sorted(self.tools)) or "none"
-            return f"error: no tool named {call.name!r} (tools: {known})", True
-        try:
-            return await tool.invoke(call.arguments), False
-        except ToolArgumentsError as exc:
-            return f"error: {exc}", True
-        except Exception as exc:  # noqa: BLE001 - the model sees the tool's failure
-            return f"error: {type(exc).__name__}: {exc}", True
 
     # ---- forks -------------------------------------------------------------------------------
 

@@ -235,3 +235,21 @@ def test_priority_queue_admits_lower_priority_value_first(make_engine):
     assert order == ["urgent", "normal", "late-low"]
     assert isinstance(core.scheduler.requests, dict) and not core.scheduler.requests
     assert Request  # the engine's own record type is importable for tests like this
+
+
+def test_runner_rows_are_released_when_the_last_requests_finish(make_engine):
+    from agentx import SchedulerConfig
+
+    engine = make_engine(scheduler=SchedulerConfig(max_num_seqs=4))
+    for _ in range(6):  # 24 requests through 4 rows: a leaked row would exhaust them
+        engine.generate(["a", "b", "c", "d"], SamplingParams(max_tokens=2, ignore_eos=True))
+        # a control op wakes the loop for a step with nothing to schedule: the ids that
+        # finished last are reported to the runner there, not lost
+        engine.release_kv_soon("no-such-handle")
+        for _ in range(100):
+            if not engine.core.runner.input_batch.row_of:
+                break
+            threading.Event().wait(0.05)
+        assert engine.core.runner.input_batch.row_of == {}
+        engine.check_integrity()
+    assert len(engine.core.runner.input_batch.free_rows) == 4

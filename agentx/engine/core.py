@@ -228,6 +228,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
+            self.runner.forget(sched_out.finished_request_ids)
             return []
         masks = self._grammar_masks(sched_out)
         runner_out = self.runner.execute(sched_out, masks)
@@ -274,3 +275,6 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         assert set(self._texts) == set(self.scheduler.requests), "text state drifted"
+        rows = set(self.runner.input_batch.row_of)
+        known = self.scheduler.get_runner_request_ids()
+        assert rows <= known, f"the runner keeps rows of finished requests: {rows - known}"

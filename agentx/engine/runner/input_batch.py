@@ -45,6 +45,8 @@ class InputBatch:
     def _update_blocks(self, request_id: str, block_ids: list[int], is_new: bool) -> int:
         if is_new:
             self.remove(request_id)
+            if not self.free_rows:
+                raise RuntimeError("input batch has no free row: more running requests than rows")
             self.row_of[request_id] = self.free_rows.pop()
         row = self.row_of[request_id]
         start = 0 if is_new else self.num_blocks[row]

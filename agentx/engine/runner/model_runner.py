@@ -75,6 +75,11 @@ class ModelRunner:
             for _ in range(self.spec.num_layers)
         ]
 
+    def forget(self, request_ids: frozenset[str]) -> None:
+        """Drop the state of requests that ended (a step with nothing scheduled still must)."""
+        for rid in request_ids:
+            self.input_batch.remove(rid)
+
     @torch.inference_mode()
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy whole blocks (every layer) for copy-on-write forks."""

@@ -228,6 +228,11 @@ class Scheduler:
         if request.is_finished:
             del self.requests[request.request_id]
 
+    def get_runner_request_ids(self) -> set[str]:
+        """Requests the runner may still hold state for: known to it, or ended but not yet
+        reported in a SchedulerOutput."""
+        return self._known_to_runner | self._finished_ids
+
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         running_ids = {r.request_id for r in self.running}

@@ -45,7 +45,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from agentx.engine.sampling import SamplingParams
-from agentx.engine.structured import StructuredOutput
+from agentx.engine.structured import COMPACT_JSON, StructuredOutput
 from agentx.errors import InvalidRequestError
 from agentx.session.tool_calls import CLOSE, OPEN
 from agentx.session.tools import Tool
@@ -64,13 +64,9 @@ Validator = Callable[[str], Any]
 ToolChoice = str | dict[str, Any]  # "auto" | "required" | "none" | {"name": ...} | ...
 ResponseFormat = type[BaseModel] | dict[str, Any]  # a model class | a JSON schema | OpenAI's
 
-# llguidance's JSON options, read from the schema's "x-guidance" key.
-_JSON_OPTIONS = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-    "lenient": True,
-}
+# llguidance's JSON options, read from the schema's "x-guidance" key: the engine's compact
+# separators, and unsupported keywords left to Tool.invoke instead of failing the grammar.
+_JSON_OPTIONS = {**COMPACT_JSON, "lenient": True}
 _TEXT = r"TEXT: /([^<](.|\n)*)?/ & ~/(.|\n)*<tool_call>(.|\n)*/"
 _MORE_CALLS = '("," " "? call)*'
 _MODES = {"auto": "auto", "required": "required", "any": "required", "none": "none"}

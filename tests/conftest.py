@@ -4,9 +4,12 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts its thread pool
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 
 from agentx import CacheConfig, Engine, EngineConfig, SchedulerConfig  # noqa: E402
+from agentx.engine.models.loader import default_model_path  # noqa: E402
 
 CHAT = [{"role": "user", "content": "What is 2+2? Answer in one short sentence."}]
 
@@ -67,3 +70,18 @@ def greedy_prompts(default_engine):
     prompts = [tok.encode(t) for t in texts]
     prompts.append(tok.encode(tok.apply_chat_template(CHAT)))
     return prompts
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A private AGENTX_CACHE_DIR for one module (built tokenizers land there)."""
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("agentx-cache")
+        patch.setenv("AGENTX_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    # `make test` installs the default model; without it these tests must fail, not skip
+    return default_model_path()

@@ -11,30 +11,20 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers  # a dev dependency: the reference
 
 from agentx.engine.models import loader as loader_module
-from agentx.engine.models.loader import Checkpoint, default_model_path, load_checkpoint
+from agentx.engine.models.loader import Checkpoint, load_checkpoint
 from agentx.engine.models.loader.gguf import load_gguf
 from agentx.engine.models.loader.safetensors import load_hf_folder
 from agentx.engine.models.spec import ModelSpec, RopeScaling
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import ModelLoadError, ModelNotFoundError
 
-transformers = pytest.importorskip("transformers")
-
 
 @pytest.fixture(scope="module", autouse=True)
-def cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("agentx-cache")
-        patch.setenv("AGENTX_CACHE_DIR", str(path))
-        yield path
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    # `make test` installs the default model; without it these tests must fail, not skip
-    return default_model_path()
+def _isolated_cache(cache_dir: Path) -> Path:
+    return cache_dir
 
 
 @pytest.fixture(scope="module")

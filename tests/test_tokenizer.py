@@ -7,15 +7,13 @@ from pathlib import Path
 
 import pytest
 import tokenizers
+import transformers  # a dev dependency: the reference
 
 from agentx.engine.models import tokenizer_gguf as tokenizer_module
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
-from agentx.engine.models.loader import default_model_path
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.models.tokenizer_gguf import clear_tokenizer_cache
 from agentx.errors import InvalidRequestError
-
-transformers = pytest.importorskip("transformers")
 
 CHAT_TEXT = (
     "<|im_start|>system\nYou are helpful.<|im_end|>\n"
@@ -48,20 +46,6 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "second\n  indented"},
     ],
 ]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    with pytest.MonkeyPatch.context() as patch:
-        path = tmp_path_factory.mktemp("agentx-cache")
-        patch.setenv("AGENTX_CACHE_DIR", str(path))
-        yield path
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    # `make test` installs the default model; without it these tests must fail, not skip
-    return default_model_path()
 
 
 @pytest.fixture(scope="module")

@@ -9,27 +9,32 @@ import torch
 from agentx.kernels import ref
 
 
-def dense_attention(q, k, v, scale):
-    """q (Tq, H, D) at the last Tq positions of k, v (Tk, Hkv, D); float64, causal."""
+def dense_attention(q, k, v, scale, window=None):
+    """q (Tq, H, D) at the last Tq positions of k, v (Tk, Hkv, D); float64, causal (within the
+    last ``window`` positions when given)."""
     tq, h, _ = q.shape
     tk, hkv, _ = k.shape
     k = k.repeat_interleave(h // hkv, dim=1).double()
     v = v.repeat_interleave(h // hkv, dim=1).double()
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     qpos = torch.arange(tk - tq, tk)[:, None]
-    scores = scores.masked_fill(torch.arange(tk)[None, :] > qpos, float("-inf"))
+    kpos = torch.arange(tk)[None, :]
+    scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(kpos <= qpos - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads", [(64, 9, 3), (100, 4, 4)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_matches_dense(head_dim, num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("window", [None, 1, 17, 64])
+def test_paged_attention_matches_dense(head_dim, num_heads, num_kv_heads, block_size, window):
     gen = torch.Generator().manual_seed(0)
     # (cached context, new tokens) per request: decodes, a cold prefill, chunks over a context
     shapes = [(0, 1), (14, 1), (0, 15), (48, 15), (0, 63), (237, 63), (0, 300), (299, 1)]
     max_blocks = max(-(-(c + n) // block_size) for c, n in shapes)
     num_blocks = 1 + max_blocks * len(shapes)
-    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+    kv_cache = torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim)
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is null
     block_tables = torch.zeros(len(shapes), max_blocks, dtype=torch.long)
     qs, full_k, full_v, slots, qsl, seq_lens = [], [], [], [], [0], []
@@ -56,23 +61,31 @@ def test_paged_attention_matches_dense(head_dim, num_heads, num_kv_heads, block_
     prefill_ids = [i for i, (_, n) in enumerate(shapes) if n != 1]
     scale = 1 / math.sqrt(head_dim)
     out = ref.paged_attention(
-        q, kv_cache, qsl, seq_lens, block_tables, torch.tensor(decode_ids), prefill_ids, scale
+        q,
+        kv_cache,
+        qsl,
+        seq_lens,
+        block_tables,
+        torch.tensor(decode_ids),
+        prefill_ids,
+        scale,
+        sliding_window=window,
     )
     for i in range(len(shapes)):
-        expected = dense_attention(qs[i], full_k[i], full_v[i], scale)
+        expected = dense_attention(qs[i], full_k[i], full_v[i], scale, window)
         torch.testing.assert_close(
             out[qsl[i] : qsl[i + 1]].double(), expected, atol=1e-5, rtol=1e-5
         )
 
 
 def test_write_kv_places_tokens_in_their_slots():
-    cache = torch.zeros(2, 3, 4, 1, 2)
+    cache = torch.zeros(3, 2, 4, 1, 2)  # (num_blocks, K/V, block_size, Hkv, D)
     k = torch.arange(6.0).view(3, 1, 2)
     ref.write_kv(k, -k, cache, torch.tensor([5, 6, 11]))  # block 1 offsets 1, 2; block 2 offset 3
-    assert cache[0, 1, 1, 0].tolist() == [0.0, 1.0]
-    assert cache[0, 1, 2, 0].tolist() == [2.0, 3.0]
-    assert cache[1, 2, 3, 0].tolist() == [-4.0, -5.0]
-    assert cache[0, 0].abs().sum() == 0
+    assert cache[1, 0, 1, 0].tolist() == [0.0, 1.0]
+    assert cache[1, 0, 2, 0].tolist() == [2.0, 3.0]
+    assert cache[2, 1, 3, 0].tolist() == [-4.0, -5.0]
+    assert cache[0].abs().sum() == 0
 
 
 def test_rms_norm_silu_and_rotary_match_formulas():

@@ -5,13 +5,17 @@ from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes, hash_
 from agentx.engine.kv_cache.held import BlockCopy, HeldSequence, HeldSequences
 from agentx.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from agentx.engine.kv_cache.specs import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheGroup,
     KVCacheLayout,
     KVCacheSpec,
+    LinearStateSpec,
+    SlidingWindowSpec,
 )
 
 __all__ = [
+    "AttentionSpec",
     "BlockCopy",
     "BlockHash",
     "BlockPool",
@@ -25,7 +29,9 @@ __all__ = [
     "KVCacheLayout",
     "KVCacheManager",
     "KVCacheSpec",
+    "LinearStateSpec",
     "PrefixCacheStats",
+    "SlidingWindowSpec",
     "extend_block_hashes",
     "hash_block",
 ]

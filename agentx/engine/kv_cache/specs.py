@@ -2,12 +2,13 @@
 
 A spec decides behaviour (how many blocks a request needs, which manager serves it); the
 scheduler never branches on attention type. Layers that share a spec form one KV group.
-Sliding-window and linear-attention specs arrive with the hybrid KV manager; each must keep
-``page_size_bytes`` equal to the pool's so every group allocates from the same pool.
+Every group allocates from the same pool, so each spec's ``page_size_bytes`` must fit the
+pool's page (the layout pads smaller pages up to it).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -16,16 +17,17 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec(ABC):
-    block_size: int  # tokens per block
-    num_kv_heads: int
-    head_size: int
+    block_size: int  # tokens per block (for linear state: tokens between checkpoint boundaries)
     dtype: torch.dtype
 
     @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    @abstractmethod
     def page_size_bytes(self) -> int:
-        """Bytes one block takes in one layer (K and V)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * itemsize
+        """Bytes one block takes in one layer."""
 
     @abstractmethod
     def get_max_num_blocks(self, max_model_len: int) -> int:
@@ -33,9 +35,51 @@ class KVCacheSpec(ABC):
 
 
 @dataclass(frozen=True, slots=True)
-class FullAttentionSpec(KVCacheSpec):
+class AttentionSpec(KVCacheSpec):
+    num_kv_heads: int
+    head_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        """K and V of ``block_size`` tokens."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec(AttentionSpec):
     def get_max_num_blocks(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec(AttentionSpec):
+    """A query sees the last ``sliding_window`` positions (itself included)."""
+
+    sliding_window: int
+
+    def get_max_num_blocks(self, max_model_len: int) -> int:
+        # the window may straddle one more block than it covers, plus the block being written
+        window_blocks = -(-(self.sliding_window - 1) // self.block_size) + 1
+        return min(window_blocks + 1, -(-max_model_len // self.block_size))
+
+
+@dataclass(frozen=True, slots=True)
+class LinearStateSpec(KVCacheSpec):
+    """A fixed-size recurrent state per sequence (linear attention, SSM): one page per state.
+
+    ``shapes`` are the state tensors of one layer (e.g. conv state, recurrent state); a page
+    holds all of them. Pages are kept at block boundaries as checkpoints (retention decides
+    which), plus the running state of each live request.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(math.prod(shape) for shape in self.shapes) * self.itemsize
+
+    def get_max_num_blocks(self, max_model_len: int) -> int:
+        return 2  # the running state and the checkpoint being written
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,9 +16,16 @@ from agentx.engine.models.forward_context import get_forward_context
 
 class PagedAttention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_id: int
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        layer_id: int,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -29,7 +36,7 @@ class PagedAttention(nn.Module):
         """q (T, H, D), k and v (T, Hkv, D) -> (T, H, D)."""
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_id]
-        meta = ctx.attn
+        meta = ctx.attn_for(self.layer_id)
         kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
         return kernels.paged_attention(
             q,
@@ -40,4 +47,5 @@ class PagedAttention(nn.Module):
             meta.decode_ids,
             meta.prefill_ids,
             self.scale,
+            sliding_window=self.sliding_window,
         )

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,9 +37,43 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True, slots=True)
+class LinearStateMetadata:
+    """Where each request's recurrent state (linear attention, SSM) comes from and goes to.
+
+    A linear layer's cache is a tuple of per-page state tensors (shapes from its
+    ``LinearStateSpec``), one page per state. Request i reads its state before this step from
+    page ``src_pages[i]`` (-1: start from zeros), runs its ``query_start_loc`` tokens and, for
+    each ``(n, page)`` in ``save_points[i]`` (n ascending), writes the state reached after its
+    first n new tokens into ``page``. The last save point is always ``(query_len, running page)``.
+    """
+
+    query_start_loc: list[int]  # (B+1,)
+    src_pages: list[int]  # (B,)
+    save_points: list[tuple[tuple[int, int], ...]]  # (B,)
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardContext:
-    attn: AttentionMetadata
-    kv_caches: list[torch.Tensor]  # per layer: (2, num_blocks, block_size, num_kv_heads, head_dim)
+    """One step's metadata, per KV group, and each layer's cache.
+
+    ``kv_caches[layer]`` is, for attention layers, a (num_blocks, 2, block_size, num_kv_heads,
+    head_dim) tensor; for linear layers a tuple of (num_blocks, *state_shape) tensors.
+    """
+
+    attn: tuple[AttentionMetadata | None, ...]  # per KV group (None for linear groups)
+    layer_groups: tuple[int, ...]  # layer id -> KV group
+    kv_caches: list[Any]
+    linear: tuple[LinearStateMetadata | None, ...] = ()  # per KV group (None for attention)
+
+    def attn_for(self, layer_id: int) -> AttentionMetadata:
+        meta = self.attn[self.layer_groups[layer_id]]
+        assert meta is not None, f"layer {layer_id} is not an attention layer"
+        return meta
+
+    def linear_for(self, layer_id: int) -> LinearStateMetadata:
+        meta = self.linear[self.layer_groups[layer_id]]
+        assert meta is not None, f"layer {layer_id} is not a linear-state layer"
+        return meta
 
 
 _local = threading.local()

@@ -38,3 +38,13 @@ class ModelSpec:
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer, its attention type: "full_attention", "sliding_attention" or "linear_attention"
+    # (empty: every layer is full attention). The runner turns these into KV cache specs.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # tokens a sliding-attention query sees, itself included
+    add_bos_token: bool = False  # prepend BOS when encoding a prompt (Gemma)
+    # Architecture-specific fields: a frozen dataclass defined beside the model that reads it.
+    arch_config: object | None = None
+
+    def get_layer_type(self, layer_id: int) -> str:
+        return self.layer_types[layer_id] if self.layer_types else "full_attention"

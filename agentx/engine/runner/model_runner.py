@@ -69,7 +69,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         spec = self.layout.groups[0].spec
-        shape = (2, self.layout.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        shape = (self.layout.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
         return [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.spec.num_layers)
@@ -87,13 +87,17 @@ class ModelRunner:
             return
         src = torch.tensor([c.src_block_id for c in copies], device=self.device)
         dst = torch.tensor([c.dst_block_id for c in copies], device=self.device)
-        for cache in self.kv_caches:  # (2, num_blocks, block_size, Hkv, D)
-            cache[:, dst] = cache[:, src]
+        for cache in self.kv_caches:  # (num_blocks, 2, block_size, Hkv, D)
+            cache[dst] = cache[src]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
         batch = self.input_batch.prepare(out)
-        ctx = ForwardContext(attn=batch.attn, kv_caches=self.kv_caches)
+        ctx = ForwardContext(
+            attn=(batch.attn,),
+            layer_groups=(0,) * len(self.kv_caches),
+            kv_caches=self.kv_caches,
+        )
         with forward_context(ctx):
             hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device))
         if not batch.sample_rows:

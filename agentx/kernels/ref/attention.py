@@ -1,8 +1,10 @@
 """Paged attention in plain PyTorch: the ground truth every other backend is tested against.
 
-KV cache of one layer: (2, num_blocks, block_size, num_kv_heads, head_dim); slot s lives at
-block s // block_size, offset s % block_size. Grouped-query attention: query head h reads KV
-head h // (num_heads // num_kv_heads).
+KV cache of one layer: (num_blocks, 2, block_size, num_kv_heads, head_dim), block first so one
+pool page holds a block's K and V and pages of different KV groups can share memory; slot s lives
+at block s // block_size, offset s % block_size. Grouped-query attention: query head h reads KV
+head h // (num_heads // num_kv_heads). ``sliding_window=W``: a query at position p sees keys at
+positions p - W + 1 .. p only.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store new keys/values (T, Hkv, D) into their slots."""
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # (2, num_blocks * block_size, Hkv, D)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    block_size = kv_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    kv_cache[blocks, 0, offsets] = k  # (num_blocks, 2, bs, Hkv, D) indexed -> (T, Hkv, D)
+    kv_cache[blocks, 1, offsets] = v
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """(2, len(block_table) * block_size, Hkv, D) for one request, or (2, B, L, Hkv, D)."""
-    kv = kv_cache[:, block_table]  # (2, [B,] nb, bs, Hkv, D)
+    kv = kv_cache[block_table].movedim(-4, 0)  # (2, [B,] nb, bs, Hkv, D)
     return kv.flatten(-4, -3) if block_table.dim() == 1 else kv.flatten(2, 3)
 
 
@@ -35,6 +38,7 @@ def paged_attention(
     decode_ids: torch.Tensor,
     prefill_ids: list[int],
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new queries q (T, H, D) over each request's paged context."""
     out = torch.empty_like(q)
@@ -44,10 +48,10 @@ def paged_attention(
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
         k, v = _gather(kv_cache, block_tables[i, :num_blocks])[:, :seq_len]  # (L, Hkv, D)
-        out[start:end] = _prefill_one(q[start:end], k, v, scale)
+        out[start:end] = _prefill_one(q[start:end], k, v, scale, sliding_window)
     if decode_ids.numel():
         out[_decode_rows(query_start_loc, decode_ids)] = _decode_batch(
-            q, kv_cache, query_start_loc, seq_lens, block_tables, decode_ids, scale
+            q, kv_cache, query_start_loc, seq_lens, block_tables, decode_ids, scale, sliding_window
         )
     return out
 
@@ -57,11 +61,18 @@ def _decode_rows(query_start_loc: list[int], decode_ids: torch.Tensor) -> torch.
     return starts[decode_ids]
 
 
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _prefill_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None
+) -> torch.Tensor:
     num_q, num_k = q.shape[0], k.shape[0]
     # 4-D inputs: PyTorch's CPU flash kernel takes only (B, H, T, D); 3-D is ~5x slower
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # (1, H, T, D)
-    if num_q == num_k:
+    if sliding_window is not None and num_k > sliding_window:
+        qpos = torch.arange(num_k - num_q, num_k).unsqueeze(1)
+        kpos = torch.arange(num_k).unsqueeze(0)
+        mask = (kpos <= qpos) & (kpos > qpos - sliding_window)  # (Tq, Tk)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    elif num_q == num_k:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # query i sits at position num_k - num_q + i and sees keys 0..that position
@@ -79,6 +90,7 @@ def _decode_batch(
     block_tables: torch.Tensor,
     decode_ids: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """One query token per request, batched as a grouped matmul over padded contexts."""
     block_size = kv_cache.shape[2]
@@ -92,7 +104,10 @@ def _decode_batch(
     group = qd.shape[1] // num_kv_heads
     qd = qd.view(b, num_kv_heads, group, head_dim)  # (B, Hkv, G, D)
     scores = torch.matmul(qd, k.permute(0, 2, 3, 1)) * scale  # (B, Hkv, G, L)
-    valid = torch.arange(k.shape[1]).unsqueeze(0) < lens.unsqueeze(1)  # (B, L)
+    kpos = torch.arange(k.shape[1]).unsqueeze(0)
+    valid = kpos < lens.unsqueeze(1)  # (B, L)
+    if sliding_window is not None:
+        valid &= kpos >= (lens - sliding_window).unsqueeze(1)
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     o = torch.matmul(probs, v.transpose(1, 2))  # (B, Hkv, G, D)

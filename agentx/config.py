@@ -25,8 +25,26 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int = 2 << 30
     enable_prefix_caching: bool = True
+    # Which block boundaries of a linear-attention state are checkpointed (kv_cache/retention.py):
+    # "interval" (the prompt end of each turn plus every ``prefix_cache_retention_interval``
+    # tokens; 0: only the latest boundary), "marconi" (shared prefixes, the second time they
+    # are seen, plus the latest boundary) or "none".
+    retention_policy: str = "marconi"
+    prefix_cache_retention_interval: int = 0
 
     def __post_init__(self) -> None:
+        if self.retention_policy not in ("interval", "marconi", "none"):
+            raise ConfigError(
+                f"retention_policy must be 'interval', 'marconi' or 'none', "
+                f"got {self.retention_policy!r}"
+            )
+        if self.prefix_cache_retention_interval < 0 or (
+            self.prefix_cache_retention_interval % self.block_size
+        ):
+            raise ConfigError(
+                "prefix_cache_retention_interval must be a non-negative multiple of block_size, "
+                f"got {self.prefix_cache_retention_interval}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:

@@ -17,6 +17,7 @@ import torch
 
 from agentx.config import EngineConfig
 from agentx.engine.kv_cache import KVCacheManager
+from agentx.engine.kv_cache.retention import make_retention
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.tokenizer import Tokenizer
@@ -81,7 +82,12 @@ class EngineCore:
         self.runner = ModelRunner(config, checkpoint.spec, checkpoint.weights)
         del checkpoint
         self.max_model_len = self.runner.max_model_len
-        self.kv = KVCacheManager(self.runner.layout, config.cache.enable_prefix_caching)
+        cache = config.cache
+        self.kv = KVCacheManager(
+            self.runner.layout,
+            cache.enable_prefix_caching,
+            make_retention(cache.retention_policy, cache.prefix_cache_retention_interval),
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.spec.eos_token_ids
@@ -112,12 +118,13 @@ class EngineCore:
                 f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
                 "(the prompt must leave room for at least one output token)"
             )
-        capacity = (self.kv.pool.num_blocks - 1) * self.kv.block_size
-        if min(len(token_ids) + sampling.max_tokens, self.max_model_len) > capacity:
+        max_len = min(len(token_ids) + sampling.max_tokens, self.max_model_len)
+        if self.kv.get_max_num_blocks(max_len) > self.kv.pool.num_blocks - 1:
             raise PromptTooLongError(
                 f"request needs up to {len(token_ids) + sampling.max_tokens} tokens of KV cache "
                 f"({len(token_ids)} prompt + max_tokens {sampling.max_tokens}), but the pool "
-                f"holds {capacity}: lower max_tokens or grow CacheConfig.kv_cache_bytes"
+                f"holds {self.kv.pool.num_blocks - 1} blocks: lower max_tokens or grow "
+                "CacheConfig.kv_cache_bytes"
             )
         if not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an int, got {priority!r}")

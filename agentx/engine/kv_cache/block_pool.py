@@ -121,22 +121,25 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block, reviving free cached blocks."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+    def free_blocks(self, blocks: Iterable[KVBlock], front: bool = False) -> None:
         """Drop one reference from each block, in the order given (that is the eviction order).
 
-        Blocks reaching zero references that hold no cached content go to the queue's front,
-        so they are reused before blocks a later request could still hit.
+        Blocks reaching zero references that hold no cached content, or that the caller knows
+        no future hit can use (``front``), go to the queue's front, so they are reused before
+        blocks a later request could still hit.
         """
         for block in blocks:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                if block.block_hash is None or front:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
@@ -155,6 +158,16 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None:
                 self._evict(block)
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+
+    def uncache_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget the cached content of blocks (held or free); free ones move to the front."""
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            self._evict(block)
+            if block.ref_cnt == 0:
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
 

@@ -1,8 +1,10 @@
 """The coordinator: one prefix-hit length, one allocation and one free across all KV groups.
 
-Every group draws from the same pool. A prefix hit must hold in every group, so the hit length
-is narrowed group by group until all agree (full attention needs the whole prefix, other types
-only what their spec says), then every group's hit is cut to that length.
+Every group draws from the same pool. A prefix hit must hold in every group, and groups differ
+in which lengths they can resume from: full attention any prefix of its cached blocks, sliding
+window a length whose last window is cached, linear state only a length with a checkpoint
+exactly there. The hit length is narrowed group by group until all agree; lengths only shrink,
+so this ends.
 """
 
 from __future__ import annotations
@@ -11,40 +13,51 @@ from collections.abc import Sequence
 
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.kv_cache.linear_state import LinearStateManager
+from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.single_type import SingleTypeKVManager, make_manager
-from agentx.engine.kv_cache.specs import KVCacheLayout
+from agentx.engine.kv_cache.specs import KVCacheLayout, LinearStateSpec
+from agentx.engine.request import Request
 
 GroupBlocks = tuple[list[KVBlock], ...]
 
 
 class KVCacheCoordinator:
-    def __init__(self, layout: KVCacheLayout, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        enable_caching: bool,
+        retention: RetentionPolicy | None = None,
+    ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
         self.pool = BlockPool(layout.num_blocks, enable_caching)
         self.managers: tuple[SingleTypeKVManager, ...] = tuple(
-            make_manager(g.spec, self.pool, i) for i, g in enumerate(layout.groups)
+            LinearStateManager(g.spec, self.pool, i, retention)
+            if isinstance(g.spec, LinearStateSpec)
+            else make_manager(g.spec, self.pool, i)
+            for i, g in enumerate(layout.groups)
         )
+        self.has_linear = any(isinstance(m, LinearStateManager) for m in self.managers)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> tuple[GroupBlocks, int]:
-        hit_length = max_length
+        hit_length = max_length - max_length % self.block_size
         while True:
             hits = [m.find_longest_cache_hit(block_hashes, hit_length) for m in self.managers]
-            new_length = min(len(h) for h in hits) * self.block_size
-            if new_length == hit_length or new_length == 0:
-                hit_length = new_length
-                break
-            hit_length = new_length
-        num_blocks = hit_length // self.block_size
-        return tuple(h[:num_blocks] for h in hits), hit_length
+            num_blocks = min(len(h) for h in hits)
+            if num_blocks == 0:
+                return tuple([] for _ in self.managers), 0
+            hit_length = num_blocks * self.block_size
+            if all(len(h) == num_blocks for h in hits):
+                return tuple(hits), hit_length
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed: GroupBlocks
+        self, request: Request, num_tokens: int, new_computed: GroupBlocks
     ) -> int:
         return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed[i])
+            m.get_num_blocks_to_allocate(request, num_tokens, new_computed[i])
             for i, m in enumerate(self.managers)
         )
 
@@ -52,14 +65,12 @@ class KVCacheCoordinator:
         for i, m in enumerate(self.managers):
             m.save_new_computed_blocks(request_id, new_computed[i])
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> GroupBlocks:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+    def allocate_new_blocks(self, request: Request, num_tokens: int) -> GroupBlocks:
+        return tuple(m.allocate_new_blocks(request, num_tokens) for m in self.managers)
 
-    def cache_blocks(
-        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
-    ) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         for m in self.managers:
-            m.cache_blocks(request_id, block_hashes, num_tokens)
+            m.cache_blocks(request, num_tokens)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.managers:
@@ -69,11 +80,25 @@ class KVCacheCoordinator:
         return tuple(m.take(request_id) for m in self.managers)
 
     def free(self, request_id: str) -> None:
+        """Free every group's blocks. In a hybrid with linear state, attention blocks past the
+        deepest checkpoint can be part of no future hit, so they are reused first."""
+        useful = None
+        if self.has_linear:
+            horizons = [m.get_num_useful_blocks(request_id) for m in self.managers]
+            useful = min(h for h in horizons if h is not None)
         for m in self.managers:
-            m.free(request_id)
+            m.free(request_id, None if isinstance(m, LinearStateManager) else useful)
 
     def get_blocks(self, request_id: str) -> GroupBlocks:
         return tuple(m.req_to_blocks.get(request_id, []) for m in self.managers)
 
     def get_num_requests(self) -> int:
         return len(self.managers[0].req_to_blocks)
+
+    def get_max_num_blocks(self, max_model_len: int) -> int:
+        """Pool blocks one request of ``max_model_len`` tokens can hold at once, all groups."""
+        return sum(g.spec.get_max_num_blocks(max_model_len) for g in self.layout.groups)
+
+    def check_integrity(self) -> None:
+        for m in self.managers:
+            m.check_integrity()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
 from agentx.engine.kv_cache.held import BlockCopy, HeldSequences
+from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
 
@@ -46,11 +47,16 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, layout: KVCacheLayout, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        enable_caching: bool = True,
+        retention: RetentionPolicy | None = None,
+    ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
         self.enable_caching = enable_caching
-        self.coordinator = KVCacheCoordinator(layout, enable_caching)
+        self.coordinator = KVCacheCoordinator(layout, enable_caching, retention)
         self.pool = self.coordinator.pool
         self.held = HeldSequences(self.pool, self.block_size)
         self.stats = PrefixCacheStats()
@@ -80,7 +86,9 @@ class KVCacheManager:
         held = self.held.get(request.extends)
         if held is not None and _is_prefix(held.token_ids, request.all_token_ids):
             num_held = min(held.num_tokens, max_length)
-            if num_held > 0 and num_held >= num_hit:
+            # a linear state exists only at the held sequence's end, not before it
+            exact = not self.coordinator.has_linear or num_held == held.num_tokens
+            if exact and num_held > 0 and num_held >= num_hit:
                 num_blocks = -(-num_held // self.block_size)
                 hit = KVCacheBlocks(tuple(g[:num_blocks] for g in held.blocks), held.handle)
                 num_hit = num_held
@@ -108,25 +116,27 @@ class KVCacheManager:
         rid = request.request_id
         self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = self.coordinator.get_num_blocks_to_allocate(rid, num_total, computed)
+        num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
         if num_needed > self.pool.num_free_blocks:
             self.held.reclaim(num_needed, keep=request.extends)
-            num_needed = self.coordinator.get_num_blocks_to_allocate(rid, num_total, computed)
+            num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
             if num_needed > self.pool.num_free_blocks:
                 return None
         self.coordinator.save_new_computed_blocks(rid, computed)
         if new_computed_blocks is not None and new_computed_blocks.held_handle is not None:
             self.held.release(new_computed_blocks.held_handle)  # its references moved to rid
-        new_blocks = self.coordinator.allocate_new_blocks(rid, num_total)
+        new_blocks = self.coordinator.allocate_new_blocks(request, num_total)
         if self.enable_caching:
-            self.coordinator.cache_blocks(rid, request.block_hashes, num_total)
+            self.coordinator.cache_blocks(request, num_total)
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request) -> None:
+        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         self.coordinator.free(request.request_id)
 
     def hold(self, request: Request) -> None:
         """Keep a finished request's blocks under its id for a request that ``extends`` it."""
+        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         blocks = self.coordinator.take(request.request_id)
         tokens = request.all_token_ids[: request.num_computed_tokens]
         self.held.add(request.request_id, tokens, blocks)
@@ -158,9 +168,13 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
+    def get_max_num_blocks(self, max_model_len: int) -> int:
+        return self.coordinator.get_max_num_blocks(max_model_len)
+
     def check_integrity(self) -> None:
         """Pool invariants, plus: each held block's ref count equals the number of holders."""
         self.pool.check_integrity()
+        self.coordinator.check_integrity()
         holders: dict[int, int] = {}
         for m in self.coordinator.managers:
             for blocks in m.req_to_blocks.values():

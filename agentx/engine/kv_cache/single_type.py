@@ -3,7 +3,10 @@
 A manager owns the request -> blocks map of its group and asks the shared :class:`BlockPool`
 for blocks. It knows nothing of scheduling or tensors. Subclasses differ in how a prefix hit is
 found and which blocks may be dropped while a request runs (sliding window drops blocks that
-left the window; full attention drops none).
+left the window; full attention drops none; linear state keeps only checkpoints).
+
+Every group draws from one pool, so a cached block is published under its hash tagged with the
+group: the same prefix has one block per group, each holding that group's layers.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from collections.abc import Sequence
 
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash
-from agentx.engine.kv_cache.specs import FullAttentionSpec, KVCacheSpec
+from agentx.engine.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from agentx.engine.request import Request
 
 
 class SingleTypeKVManager(ABC):
@@ -31,18 +35,24 @@ class SingleTypeKVManager(ABC):
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
 
+    def key(self, block_hash: BlockHash) -> BlockHash:
+        """The pool key of this group's block for ``block_hash`` (group 0: the hash itself)."""
+        return block_hash if self.group_id == 0 else block_hash + bytes((self.group_id,))
+
+    def get_cached(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.pool.get_cached_block(self.key(block_hash))
+
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVBlock]
+        self, request: Request, num_tokens: int, new_computed_blocks: Sequence[KVBlock]
     ) -> int:
         """Pool blocks consumed if the request grows to ``num_tokens`` after taking the hit.
 
         A hit block that is free right now also leaves the free queue, so it counts.
         """
         num_required = -(-num_tokens // self.block_size)
-        num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        num_held = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
         num_new = max(0, num_required - num_held)
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        return num_new + num_revived
+        return num_new + _num_revived(new_computed_blocks)
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[KVBlock]
@@ -52,12 +62,17 @@ class SingleTypeKVManager(ABC):
             assert not blocks, "a prefix hit is only taken by a request holding no blocks"
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
-            # published blocks form a prefix; a held sequence's partial tail block is not one
-            num_published = sum(1 for b in new_computed_blocks if b.block_hash is not None)
+            # published blocks form a prefix (nulls stand for dropped ones); a held
+            # sequence's partial tail block is not one
+            num_published = 0
+            for block in new_computed_blocks:
+                if not block.is_null and block.block_hash is None:
+                    break
+                num_published += 1
             self.num_cached_blocks[request_id] = num_published
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVBlock]:
-        blocks = self.req_to_blocks.setdefault(request_id, [])
+    def allocate_new_blocks(self, request: Request, num_tokens: int) -> list[KVBlock]:
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_new = -(-num_tokens // self.block_size) - len(blocks)
         if num_new <= 0:
             return []
@@ -65,39 +80,54 @@ class SingleTypeKVManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(
-        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
-    ) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's blocks that are full within its first ``num_tokens`` tokens."""
-        num_full = min(num_tokens // self.block_size, len(block_hashes))
-        num_done = self.num_cached_blocks.get(request_id, 0)
+        rid = request.request_id
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        num_done = self.num_cached_blocks.get(rid, 0)
         if num_full <= num_done:
             return
-        blocks = self.req_to_blocks[request_id]
+        blocks = self.req_to_blocks[rid]
         for i in range(num_done, num_full):
             if not blocks[i].is_null:
-                self.pool.cache_block(blocks[i], block_hashes[i])
-        self.num_cached_blocks[request_id] = num_full
+                self.pool.cache_block(blocks[i], self.key(request.block_hashes[i]))
+        self.num_cached_blocks[rid] = num_full
 
     def take(self, request_id: str) -> list[KVBlock]:
         """Detach the request's blocks without releasing them (their references move along)."""
         self.num_cached_blocks.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
 
-    def free(self, request_id: str) -> None:
-        """Release every block of the request, tail first so the prefix is evicted last."""
+    def free(self, request_id: str, num_useful_blocks: int | None = None) -> None:
+        """Release every block of the request, tail first so the prefix is evicted last.
+
+        Blocks from ``num_useful_blocks`` on can be part of no future hit (the hybrid
+        coordinator knows): they go to the front of the free queue, to be reused first.
+        """
         blocks = self.req_to_blocks.pop(request_id, [])
-        self.pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(request_id, None)
+        if num_useful_blocks is not None and num_useful_blocks < len(blocks):
+            self.pool.free_blocks(blocks[num_useful_blocks:], front=True)
+            blocks = blocks[:num_useful_blocks]
+        self.pool.free_blocks(reversed(blocks))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:  # noqa: B027
-        """Return blocks no future token of the request attends to (none, by default)."""
+        """Return blocks no future token of the request reads (none, by default)."""
+
+    def get_num_useful_blocks(self, request_id: str) -> int | None:
+        """Leading blocks of the request that a future hit could use (None: all of them)."""
+        return None
 
     @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> list[KVBlock]:
-        """The cached blocks of the longest usable prefix of at most ``max_length`` tokens."""
+        """The blocks of the longest prefix of at most ``max_length`` tokens that this group
+        can resume from (null blocks where it needs nothing); a shorter prefix may be usable
+        even when a longer one is not."""
+
+    def check_integrity(self) -> None:  # noqa: B027
+        """Manager-specific invariants (the facade checks ref counts across groups)."""
 
 
 class FullAttentionManager(SingleTypeKVManager):
@@ -106,21 +136,81 @@ class FullAttentionManager(SingleTypeKVManager):
     ) -> list[KVBlock]:
         hit: list[KVBlock] = []
         for block_hash in block_hashes[: max_length // self.block_size]:
-            block = self.pool.get_cached_block(block_hash)
+            block = self.get_cached(block_hash)
             if block is None:
                 break
             hit.append(block)
         return hit
 
 
+class SlidingWindowManager(SingleTypeKVManager):
+    """Blocks wholly outside the window of every future query go back to the pool while the
+    request runs; a hit needs only the blocks of the last window before the hit point.
+
+        positions   [ 0 .. p-W ]  [ p-W+1 .. p-1 ]  p
+        blocks      null, null..  cached            first token computed (sees W-1 before it)
+    """
+
+    spec: SlidingWindowSpec
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, pool, group_id)
+        assert isinstance(spec, SlidingWindowSpec)
+        self.window = spec.sliding_window
+        # blocks that must be cached right before a hit point: they cover its W-1 earlier tokens
+        self.num_window_blocks = -(-(self.window - 1) // self.block_size)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVBlock]:
+        max_blocks = min(max_length // self.block_size, len(block_hashes))
+        null = self.pool.null_block
+        run: list[KVBlock] = []  # cached blocks found right to left, contiguous
+        for i in range(max_blocks - 1, -1, -1):
+            block = self.get_cached(block_hashes[i])
+            if block is None:
+                run = []
+                continue
+            run.append(block)
+            if len(run) >= self.num_window_blocks:
+                return [null] * i + run[::-1]
+        return run[::-1]  # a run reaching block 0: the whole (short) prefix is cached
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        # the next query sits at num_computed_tokens and sees from num_computed - W + 1 on
+        num_skipped = max(0, num_computed_tokens - self.window + 1) // self.block_size
+        null = self.pool.null_block
+        dropped = []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i].is_null:
+                break  # everything before was dropped earlier
+            dropped.append(blocks[i])
+            blocks[i] = null
+        self.pool.free_blocks(dropped)
+
+
+def _num_revived(blocks: Sequence[KVBlock]) -> int:
+    return sum(1 for b in blocks if b.ref_cnt == 0 and not b.is_null)
+
+
 _MANAGERS: dict[type[KVCacheSpec], type[SingleTypeKVManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 
-def make_manager(spec: KVCacheSpec, pool: BlockPool, group_id: int) -> SingleTypeKVManager:
+def register_manager(spec_cls: type[KVCacheSpec], manager_cls: type[SingleTypeKVManager]) -> None:
+    _MANAGERS[spec_cls] = manager_cls
+
+
+def make_manager(
+    spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs: object
+) -> SingleTypeKVManager:
     try:
         cls = _MANAGERS[type(spec)]
     except KeyError:
         raise TypeError(f"no KV manager registered for {type(spec).__name__}") from None
-    return cls(spec, pool, group_id)
+    return cls(spec, pool, group_id, **kwargs)

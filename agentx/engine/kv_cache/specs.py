@@ -92,11 +92,38 @@ class KVCacheGroup:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheLayout:
-    """How the pool is split: its block count and the KV groups drawing from it."""
+    """How the pool is split: its block count and the KV groups drawing from it.
+
+    Groups have (at most) equally many layers; the layer at position j of every group lives in
+    memory slot j, so block id b names page b of each slot and one pool serves all groups::
+
+        slot 0: [ page 0 | page 1 | ... ]   layer g0[0], g1[0], g2[0] ...
+        slot 1: [ page 0 | page 1 | ... ]   layer g0[1], g1[1], g2[1] ...
+
+    ``page_size_bytes`` is the largest spec's page; smaller pages are padded up to it.
+    """
 
     num_blocks: int
     groups: tuple[KVCacheGroup, ...]
+    page_size_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = {g.spec.block_size for g in self.groups}
+        if len(sizes) != 1:
+            raise ValueError(f"KV groups must share one block size, got {sorted(sizes)}")
+        if self.page_size_bytes and any(
+            g.spec.page_size_bytes > self.page_size_bytes for g in self.groups
+        ):
+            raise ValueError("a KV group's page is larger than the pool's page")
 
     @property
     def block_size(self) -> int:
         return self.groups[0].spec.block_size
+
+    @property
+    def num_slots(self) -> int:
+        return max(len(g.layer_ids) for g in self.groups)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layer_ids) for g in self.groups)

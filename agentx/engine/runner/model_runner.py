@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from agentx.config import EngineConfig
-from agentx.engine.kv_cache import BlockCopy, FullAttentionSpec, KVCacheGroup, KVCacheLayout
+from agentx.engine.kv_cache import BlockCopy, LinearStateSpec
 from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.registry import get_model_class
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from agentx.engine.parallel import SINGLE, ParallelState
 from agentx.engine.runner.input_batch import InputBatch
+from agentx.engine.runner.kv_layout import allocate_kv_caches, get_layer_specs, plan_kv_layout
 from agentx.engine.runner.sampler import sample
 from agentx.engine.structured import apply_bitmask
 from agentx.errors import ConfigError
@@ -41,39 +42,22 @@ class ModelRunner:
             model = get_model_class(spec.architecture)(spec, parallel, self.dtype)
         model.load_weights(weights)
         self.model = model.eval()
-        self.layout = self._plan_kv_layout(parallel)
-        self.kv_caches = self._allocate_kv_caches()
-        block_size = config.cache.block_size
+        layer_specs = get_layer_specs(
+            spec, self.model, config.cache.block_size, self.dtype, parallel.tp_size
+        )
+        self.layout = plan_kv_layout(layer_specs, config.cache)
+        self.kv_slots, self.kv_caches = allocate_kv_caches(self.layout, self.device)
+        self.layer_groups = tuple(
+            next(g for g, group in enumerate(self.layout.groups) if i in group.layer_ids)
+            for i in range(spec.num_layers)
+        )
+        block_size = self.layout.block_size
         self.input_batch = InputBatch(
-            config.scheduler.max_num_seqs, -(-self.max_model_len // block_size), block_size
+            config.scheduler.max_num_seqs,
+            -(-self.max_model_len // block_size),
+            block_size,
+            tuple(isinstance(g.spec, LinearStateSpec) for g in self.layout.groups),
         )
-
-    def _plan_kv_layout(self, parallel: ParallelState) -> KVCacheLayout:
-        cache = self.config.cache
-        spec = FullAttentionSpec(
-            block_size=cache.block_size,
-            num_kv_heads=max(1, self.spec.num_kv_heads // parallel.tp_size),
-            head_size=self.spec.head_dim,
-            dtype=self.dtype,
-        )
-        num_blocks = cache.num_blocks
-        if num_blocks is None:
-            num_blocks = cache.kv_cache_bytes // (spec.page_size_bytes * self.spec.num_layers)
-        if num_blocks < 2:
-            raise ConfigError(
-                f"kv_cache_bytes={cache.kv_cache_bytes} holds fewer than 2 blocks of "
-                f"{spec.page_size_bytes * self.spec.num_layers} bytes"
-            )
-        group = KVCacheGroup(spec, tuple(range(self.spec.num_layers)))
-        return KVCacheLayout(num_blocks=num_blocks, groups=(group,))
-
-    def _allocate_kv_caches(self) -> list[torch.Tensor]:
-        spec = self.layout.groups[0].spec
-        shape = (self.layout.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.spec.num_layers)
-        ]
 
     def forget(self, request_ids: frozenset[str]) -> None:
         """Drop the state of requests that ended (a step with nothing scheduled still must)."""
@@ -87,16 +71,17 @@ class ModelRunner:
             return
         src = torch.tensor([c.src_block_id for c in copies], device=self.device)
         dst = torch.tensor([c.dst_block_id for c in copies], device=self.device)
-        for cache in self.kv_caches:  # (num_blocks, 2, block_size, Hkv, D)
-            cache[dst] = cache[src]
+        for slot in self.kv_slots:  # (num_blocks, page_bytes): every group's layers
+            slot[dst] = slot[src]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
         batch = self.input_batch.prepare(out)
         ctx = ForwardContext(
-            attn=(batch.attn,),
-            layer_groups=(0,) * len(self.kv_caches),
+            attn=batch.attn,
+            layer_groups=self.layer_groups,
             kv_caches=self.kv_caches,
+            linear=batch.linear,
         )
         with forward_context(ctx):
             hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device))

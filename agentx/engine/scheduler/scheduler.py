@@ -55,12 +55,13 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         max_len = min(request.num_prompt_tokens + request.sampling.max_tokens, self.max_model_len)
-        capacity = (self.kv.pool.num_blocks - 1) * self.kv.block_size
-        if max_len > capacity:
+        num_blocks = self.kv.get_max_num_blocks(max_len)
+        if num_blocks > self.kv.pool.num_blocks - 1:
             raise PromptTooLongError(
                 f"request needs up to {max_len} tokens of KV cache "
                 f"({request.num_prompt_tokens} prompt + up to {request.sampling.max_tokens} "
-                f"output), but the pool holds {capacity}: lower max_tokens or grow the pool"
+                f"output), {num_blocks} blocks, but the pool holds "
+                f"{self.kv.pool.num_blocks - 1}: lower max_tokens or grow the pool"
             )
         self.requests[request.request_id] = request
         self.waiting.add(request)

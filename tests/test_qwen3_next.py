@@ -1,0 +1,322 @@
+"""Qwen3-Next against transformers: a tiny random checkpoint (Gated DeltaNet and gated attention
+layers, MoE with a shared expert, one dense MLP layer) saved as a Hugging Face folder, loaded
+through agentx's safetensors loader, and run with paged KV and paged linear state built by hand
+here (the runner builds them for real): prefill, chunked prefill with save points, forks from a
+checkpoint, decode steps, mixed flat batches, greedy generation."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import tokenizers
+import torch
+import transformers
+
+from agentx.engine.models.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    LinearStateMetadata,
+    forward_context,
+)
+from agentx.engine.models.loader.safetensors import load_hf_folder
+from agentx.engine.models.qwen3_next import Qwen3NextConfig
+from agentx.engine.models.registry import get_model_class
+from agentx.engine.parallel import ParallelState
+
+BLOCK_SIZE = 16
+VOCAB = 384
+ATOL = 2e-4
+
+
+def tiny_hf_model() -> transformers.Qwen3NextForCausalLM:
+    config = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=6,
+        num_experts_per_tok=2,
+        mlp_only_layers=[2],
+        max_position_embeddings=512,
+        layer_types=[
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        rms_norm_eps=1e-6,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at 0 (or 1): give every weight a value to get wrong
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias")):
+                param.add_(torch.randn_like(param) * 0.3)
+    return model
+
+
+def save_folder(folder, model) -> None:
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="t1", eos_token="t2"
+    )
+    hf_tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(transformers model, agentx model) on the same weights."""
+    hf = tiny_hf_model()
+    folder = tmp_path_factory.mktemp("qwen3-next")
+    save_folder(folder, hf)
+    checkpoint = load_hf_folder(folder)
+    model = get_model_class(checkpoint.spec.architecture)(checkpoint.spec, ParallelState())
+    model.load_weights(checkpoint.weights)
+    return hf, model.eval()
+
+
+def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([token_ids])).logits[0]  # (T, vocab)
+
+
+@dataclass
+class Seq:
+    """One sequence's cache: attention blocks and linear-state pages, as a runner would keep."""
+
+    tokens: list[int] = field(default_factory=list)  # computed so far
+    blocks: list[int] = field(default_factory=list)
+    page: int = -1  # running linear-state page
+    src_page: int = -1  # where the state comes from before the running page exists (a fork)
+    checkpoints: dict[int, int] = field(default_factory=dict)  # num tokens -> saved page
+
+
+class Harness:
+    """Paged caches for every layer and hand-built step metadata. Block and page 0 are null;
+    blocks are handed out in a shuffled order so nothing relies on contiguity."""
+
+    def __init__(self, model, num_blocks: int = 160, num_pages: int = 96) -> None:
+        self.model = model
+        spec = model.spec
+        self.linear_layers = [
+            i for i in range(spec.num_layers) if spec.get_layer_type(i) == "linear_attention"
+        ]
+        shapes = model.get_linear_state_shapes()
+        dtype = model.linear_state_dtype
+        self.kv_caches = []
+        for i in range(spec.num_layers):
+            if i in self.linear_layers:
+                pages = tuple(
+                    torch.full((num_pages, *s), float("nan"), dtype=dtype) for s in shapes
+                )
+                self.kv_caches.append(pages)
+            else:
+                kv_shape = (num_blocks, 2, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
+                self.kv_caches.append(torch.zeros(kv_shape))
+        gen = torch.Generator().manual_seed(1)
+        self.free_blocks = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        self.free_pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+
+    def fork(self, seq: Seq, num_tokens: int) -> Seq:
+        """A new sequence sharing seq's first num_tokens (a block boundary with a checkpoint)."""
+        assert num_tokens % BLOCK_SIZE == 0
+        blocks = seq.blocks[: num_tokens // BLOCK_SIZE]
+        return Seq(
+            list(seq.tokens[:num_tokens]), list(blocks), src_page=seq.checkpoints[num_tokens]
+        )
+
+    def step(self, work: list[tuple[Seq, list[int], tuple[int, ...]]]) -> list[torch.Tensor]:
+        """Run (seq, new tokens, extra save points) requests as one flat batch; returns each
+        request's logits (n_new, vocab)."""
+        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        src_pages, save_points = [], []
+        for seq, new, saves in work:
+            start = len(seq.tokens)
+            total = start + len(new)
+            while len(seq.blocks) * BLOCK_SIZE < total:
+                seq.blocks.append(self.free_blocks.pop())
+            pos = list(range(start, total))
+            ids += new
+            positions += pos
+            slots += [seq.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in pos]
+            qsl.append(qsl[-1] + len(new))
+            seq_lens.append(total)
+            src_pages.append(seq.page if seq.page >= 0 else seq.src_page)
+            if seq.page < 0:
+                seq.page = self.free_pages.pop()
+            points = []
+            for n in saves:
+                page = self.free_pages.pop()
+                seq.checkpoints[start + n] = page
+                points.append((n, page))
+            save_points.append((*points, (len(new), seq.page)))
+        max_blocks = max(len(seq.blocks) for seq, _, _ in work)
+        block_tables = torch.zeros(len(work), max_blocks, dtype=torch.long)
+        for i, (seq, _, _) in enumerate(work):
+            block_tables[i, : len(seq.blocks)] = torch.tensor(seq.blocks)
+        one = [i for i, (_, new, _) in enumerate(work) if len(new) == 1]
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            decode_ids=torch.tensor(one, dtype=torch.long),
+            prefill_ids=[i for i in range(len(work)) if i not in one],
+        )
+        linear = LinearStateMetadata(qsl, src_pages, save_points)
+        groups = tuple(1 if i in self.linear_layers else 0 for i in range(len(self.kv_caches)))
+        ctx = ForwardContext((attn, None), groups, self.kv_caches, (None, linear))
+        with torch.inference_mode(), forward_context(ctx):
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+            logits = self.model.compute_logits(hidden)
+        for seq, new, _ in work:
+            seq.tokens += new
+        return list(logits.split([len(new) for _, new, _ in work]))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_spec_from_config(models):
+    _, model = models
+    spec = model.spec
+    assert spec.architecture == "qwen3_next"
+    assert spec.layer_types == (
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    )
+    assert spec.arch_config == Qwen3NextConfig(
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=True,
+        mlp_only_layers=(2,),
+    )
+    # conv over [q | k | v]: 2 * 2 * 16 + 6 * 24 channels, 3 carried inputs
+    assert model.get_linear_state_shapes() == ((208, 3), (6, 16, 24))
+    assert model.linear_state_dtype == torch.float32
+
+
+@pytest.mark.parametrize("num_tokens", [1, 15, 63, 150])
+def test_prefill_logits(models, num_tokens):
+    hf, model = models
+    ids = prompt(num_tokens, seed=num_tokens)
+    (logits,) = Harness(model).step([(Seq(), ids, ())])
+    torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=ATOL)
+
+
+def test_chunked_prefill_with_save_points_and_fork(models):
+    hf, model = models
+    ids = prompt(100, seed=7)
+    harness = Harness(model)
+    seq = Seq()
+    chunks = [(13, ()), (1, ()), (35, (2, 18)), (1, ()), (50, (14, 30))]  # saves at 16, 32, 64, 80
+    out, at = [], 0
+    for size, saves in chunks:
+        (logits,) = harness.step([(seq, ids[at : at + size], saves)])
+        out.append(logits)
+        at += size
+    expected = hf_logits(hf, ids)
+    torch.testing.assert_close(torch.cat(out), expected, atol=ATOL, rtol=ATOL)
+    (one_shot,) = Harness(model).step([(Seq(), ids, ())])
+    torch.testing.assert_close(torch.cat(out), one_shot, atol=ATOL, rtol=ATOL)
+    assert sorted(seq.checkpoints) == [16, 32, 64, 80]
+    # every checkpoint resumes: a fork continues with other tokens from there
+    for at in sorted(seq.checkpoints):
+        fork = harness.fork(seq, at)
+        tail = prompt(9, seed=at)
+        (logits,) = harness.step([(fork, tail, ())])
+        torch.testing.assert_close(
+            logits, hf_logits(hf, ids[:at] + tail)[at:], atol=ATOL, rtol=ATOL
+        )
+
+
+def test_decode_steps_after_prefill(models):
+    hf, model = models
+    harness = Harness(model)
+    seq = Seq()
+    ids = prompt(37, seed=3)
+    (logits,) = harness.step([(seq, ids, ())])
+    for _ in range(6):
+        ids = ids + [int(logits[-1].argmax())]
+        (logits,) = harness.step([(seq, ids[-1:], ())])
+        torch.testing.assert_close(logits[0], hf_logits(hf, ids)[-1], atol=ATOL, rtol=ATOL)
+
+
+def test_mixed_batch(models):
+    """Decodes, a fresh prefill, a continued chunk with save points and a fork, in one batch."""
+    hf, model = models
+    harness = Harness(model)
+    a, b, c = Seq(), Seq(), Seq()
+    pa, pb, pc, pd = prompt(20, 11), prompt(33, 12), prompt(70, 13), prompt(15, 14)
+    harness.step([(a, pa, ()), (b, pb, (16, 32)), (c, pc[:40], ())])
+    d = harness.fork(b, 32)
+    work = [
+        (a, [5], ()),
+        (b, [6], ()),
+        (c, pc[40:], (8, 24)),  # saves at 48 and 64
+        (Seq(), pd, ()),
+        (d, [7, 8, 9], ()),
+    ]
+    la, lb, lc, ld, lfork = harness.step(work)
+    torch.testing.assert_close(la, hf_logits(hf, pa + [5])[-1:], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(lb, hf_logits(hf, pb + [6])[-1:], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(lc, hf_logits(hf, pc)[40:], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(ld, hf_logits(hf, pd), atol=ATOL, rtol=ATOL)
+    expected = hf_logits(hf, pb[:32] + [7, 8, 9])[32:]
+    torch.testing.assert_close(lfork, expected, atol=ATOL, rtol=ATOL)
+    # c's checkpoint at 64 resumes
+    (resumed,) = harness.step([(harness.fork(c, 64), [10, 11], ())])
+    torch.testing.assert_close(
+        resumed, hf_logits(hf, pc[:64] + [10, 11])[64:], atol=ATOL, rtol=ATOL
+    )
+
+
+def test_greedy_generation_matches_transformers(models):
+    hf, model = models
+    prompts = [prompt(5, 21), prompt(47, 22), prompt(16, 23)]
+    num_new = 32
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(
+                torch.tensor([p]), max_new_tokens=num_new, do_sample=False, min_new_tokens=num_new
+            )
+            expected.append(out[0, len(p) :].tolist())
+    harness = Harness(model)
+    seqs = [Seq() for _ in prompts]
+    last = harness.step([(s, p, ()) for s, p in zip(seqs, prompts, strict=True)])
+    generated = [[] for _ in prompts]
+    for _ in range(num_new):
+        next_ids = [int(logits[-1].argmax()) for logits in last]
+        for tokens, token in zip(generated, next_ids, strict=True):
+            tokens.append(token)
+        last = harness.step([(s, [t], ()) for s, t in zip(seqs, next_ids, strict=True)])
+    assert generated == expected

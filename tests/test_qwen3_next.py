@@ -4,6 +4,7 @@ through agentx's safetensors loader, and run with paged KV and paged linear stat
 here (the runner builds them for real): prefill, chunked prefill with save points, forks from a
 checkpoint, decode steps, mixed flat batches, greedy generation."""
 
+import copy
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,10 +18,11 @@ from agentx.engine.models.forward_context import (
     LinearStateMetadata,
     forward_context,
 )
-from agentx.engine.models.loader.safetensors import load_hf_folder
+from agentx.engine.models.loader.safetensors import load_hf_folder, read_hf_spec
 from agentx.engine.models.qwen3_next import Qwen3NextConfig
 from agentx.engine.models.registry import get_model_class
 from agentx.engine.parallel import ParallelState
+from agentx.errors import ModelLoadError
 
 BLOCK_SIZE = 16
 VOCAB = 384
@@ -128,7 +130,7 @@ class Harness:
                 self.kv_caches.append(pages)
             else:
                 kv_shape = (num_blocks, 2, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
-                self.kv_caches.append(torch.zeros(kv_shape))
+                self.kv_caches.append(torch.zeros(kv_shape, dtype=model.embed_tokens.weight.dtype))
         gen = torch.Generator().manual_seed(1)
         self.free_blocks = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         self.free_pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
@@ -275,11 +277,11 @@ def test_mixed_batch(models):
     hf, model = models
     harness = Harness(model)
     a, b, c = Seq(), Seq(), Seq()
-    pa, pb, pc, pd = prompt(20, 11), prompt(33, 12), prompt(70, 13), prompt(15, 14)
+    pa, pb, pc, pd = prompt(31, 11), prompt(33, 12), prompt(70, 13), prompt(15, 14)
     harness.step([(a, pa, ()), (b, pb, (16, 32)), (c, pc[:40], ())])
     d = harness.fork(b, 32)
     work = [
-        (a, [5], ()),
+        (a, [5], (1,)),  # a decode that also checkpoints its block boundary (32)
         (b, [6], ()),
         (c, pc[40:], (8, 24)),  # saves at 48 and 64
         (Seq(), pd, ()),
@@ -320,3 +322,88 @@ def test_greedy_generation_matches_transformers(models):
             tokens.append(token)
         last = harness.step([(s, [t], ()) for s, t in zip(seqs, next_ids, strict=True)])
     assert generated == expected
+
+
+def test_load_stacked_experts_and_skip_mtp(models):
+    """transformers' in-memory stacked expert tensors load too; mtp.* tensors are ignored."""
+    hf, model = models
+    weights = {name: t.detach().clone() for name, t in hf.state_dict().items()}
+    weights["mtp.fc.weight"] = torch.zeros(3, 3)
+    twin = get_model_class("qwen3_next")(model.spec, ParallelState())
+    twin.load_weights(weights)
+    for (name, ours), (_, theirs) in zip(
+        model.named_parameters(), twin.named_parameters(), strict=True
+    ):
+        assert torch.equal(ours, theirs), name
+
+
+def test_load_rejects_missing_and_unknown_tensors(models):
+    hf, model = models
+    weights = dict(hf.state_dict())
+    twin = get_model_class("qwen3_next")(model.spec, ParallelState())
+    with pytest.raises(ModelLoadError, match="lacks"):
+        twin.load_weights({k: v for k, v in weights.items() if not k.endswith("A_log")})
+    with pytest.raises(ModelLoadError, match="bogus"):
+        twin.load_weights({**weights, "model.layers.0.linear_attn.bogus.weight": torch.zeros(1)})
+
+
+def test_spec_from_an_older_config_json():
+    """Qwen3-Next-80B's config.json: no layer_types (full_attention_interval), partial rotary
+    factor and rope_theta at the top level."""
+    config = {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000000,
+        "rope_scaling": None,
+        "partial_rotary_factor": 0.25,
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "tie_word_embeddings": False,
+    }
+    spec = read_hf_spec(config)
+    assert spec.architecture == "qwen3_next"
+    assert spec.layer_types == ("linear_attention",) * 3 + ("full_attention",) + (
+        "linear_attention",
+    ) * 3 + ("full_attention",)
+    assert spec.rope_theta == 1e7 and spec.head_dim == 256 and spec.rope_scaling is None
+    assert spec.arch_config.partial_rotary_factor == 0.25
+    assert spec.arch_config.linear_num_value_heads == 32
+    assert spec.arch_config.num_experts_per_tok == 10
+
+
+def test_bf16_runs_with_fp32_states(models):
+    """bf16 weights and activations, fp32 state pages: prefill with save points and a decode
+    stray from the fp32 logits no more than transformers in bf16 does (routing flips included)."""
+    hf, model = models
+    low = get_model_class("qwen3_next")(model.spec, ParallelState(), torch.bfloat16)
+    low.load_weights({k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()})
+    harness = Harness(low)
+    seq = Seq()
+    ids = prompt(40, 31)
+    (logits,) = harness.step([(seq, ids, (16, 32))])
+    (step,) = harness.step([(seq, [9], ())])
+    ours = torch.cat((logits, step))
+    assert ours.dtype == torch.float32 and ours.isfinite().all()
+    reference = hf_logits(hf, ids + [9])
+    hf_bf16 = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), ids + [9]).float()
+    drift, hf_drift = ((x - reference).abs().mean() for x in (ours, hf_bf16))
+    assert drift < 1.5 * hf_drift

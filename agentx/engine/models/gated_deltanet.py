@@ -14,6 +14,7 @@ Knows nothing about how pages are allocated or retained.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,6 +84,55 @@ class GatedRMSNorm(nn.Module):
         return kernels.rms_norm_gated(x, gate, self.weight, self.eps)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """The one-token requests of a step, as index tensors for one batched recurrent step."""
+
+    rows: torch.Tensor  # (B,) flat row of each request's token
+    src_pages: torch.Tensor  # (B,) page holding its state, -1: zeros
+    save_rows: torch.Tensor  # (S,) which of the B states goes to ...
+    save_pages: torch.Tensor  # (S,) ... which page
+
+
+@dataclass(frozen=True, slots=True)
+class LinearStepPlan:
+    decode: DecodePlan | None
+    prefill_ids: list[int]  # requests with more than one new token, run one by one
+
+
+class LinearStepPlanner:
+    """Derives a step's plan from its metadata once; every linear layer of a model shares one
+    (the metadata object is the same for all of them within a step)."""
+
+    def __init__(self) -> None:
+        self._meta: LinearStateMetadata | None = None
+        self._plan: LinearStepPlan | None = None
+
+    def get(self, meta: LinearStateMetadata) -> LinearStepPlan:
+        if meta is not self._meta:
+            self._meta, self._plan = meta, _plan(meta)
+        return self._plan
+
+
+def _plan(meta: LinearStateMetadata) -> LinearStepPlan:
+    qsl = meta.query_start_loc
+    lens = [qsl[i + 1] - qsl[i] for i in range(len(meta.src_pages))]
+    decode_ids = [i for i, n in enumerate(lens) if n == 1]
+    if not decode_ids:
+        return LinearStepPlan(None, list(range(len(lens))))
+    saves = [(j, page) for j, i in enumerate(decode_ids) for _, page in meta.save_points[i]]
+    if any(n != 1 for i in decode_ids for n, _ in meta.save_points[i]):
+        raise ValueError("a one-token request saves only the state after its token")
+    save_rows, save_pages = zip(*saves, strict=True)
+    decode = DecodePlan(
+        rows=torch.tensor([qsl[i] for i in decode_ids]),
+        src_pages=torch.tensor([meta.src_pages[i] for i in decode_ids]),
+        save_rows=torch.tensor(save_rows),
+        save_pages=torch.tensor(save_pages),
+    )
+    return LinearStepPlan(decode, [i for i, n in enumerate(lens) if n > 1])
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -95,6 +145,7 @@ class GatedDeltaNet(nn.Module):
         config: Qwen3NextConfig,
         eps: float,
         layer_id: int,
+        planner: LinearStepPlanner,
         parallel: ParallelState,
         dtype: torch.dtype,
     ) -> None:
@@ -102,6 +153,7 @@ class GatedDeltaNet(nn.Module):
         if parallel.tp_size != 1:
             raise ModelLoadError("Gated DeltaNet layers do not support tensor parallel yet")
         self.layer_id = layer_id
+        self.planner = planner
         self.num_k_heads = config.linear_num_key_heads
         self.num_v_heads = config.linear_num_value_heads
         self.head_k_dim = config.linear_key_head_dim
@@ -148,14 +200,12 @@ class GatedDeltaNet(nn.Module):
         ctx = get_forward_context()
         pages = ctx.kv_caches[self.layer_id]  # (conv pages, recurrent pages)
         meta = ctx.linear_for(self.layer_id)
+        plan = self.planner.get(meta)
         out = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.head_v_dim)
-        qsl = meta.query_start_loc
-        decode_ids = [i for i in range(len(meta.src_pages)) if qsl[i + 1] - qsl[i] == 1]
-        if decode_ids:
-            self._decode(mixed, g, beta, pages, meta, decode_ids, out)
-        for i in range(len(meta.src_pages)):
-            if qsl[i + 1] - qsl[i] > 1:
-                self._prefill(mixed, g, beta, pages, meta, i, out)
+        if plan.decode is not None:
+            self._decode(mixed, g, beta, pages, plan.decode, out)
+        for i in plan.prefill_ids:
+            self._prefill(mixed, g, beta, pages, meta, i, out)
         return out
 
     def _split_heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,12 +216,12 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.unflatten(-1, (self.num_k_heads, self.head_k_dim)))
         return q, k, v.unflatten(-1, (self.num_v_heads, self.head_v_dim))  # (B, T, H_v, D_v)
 
-    def _decode(self, mixed, g, beta, pages, meta: LinearStateMetadata, ids, out) -> None:
+    def _decode(self, mixed, g, beta, pages, plan: DecodePlan, out) -> None:
         """One new token per request, all requests in one recurrent step."""
         conv_pages, rec_pages = pages
-        rows = torch.tensor([meta.query_start_loc[i] for i in ids])
-        src = torch.tensor([meta.src_pages[i] for i in ids])
-        conv_state, rec_state = _read_states(conv_pages, src), _read_states(rec_pages, src)
+        rows = plan.rows
+        conv_state = _read_states(conv_pages, plan.src_pages)  # (B, conv_dim, K-1)
+        rec_state = _read_states(rec_pages, plan.src_pages)  # (B, H_v, D_k, D_v)
         x = mixed[rows].unsqueeze(1)  # (B, 1, conv_dim)
         y, conv_state = kernels.causal_conv1d(x, self.conv1d.weight, conv_state)
         q, k, v = self._split_heads(y)
@@ -179,10 +229,8 @@ class GatedDeltaNet(nn.Module):
             q, k, v, g[rows, None], beta[rows, None], rec_state, self.head_k_dim**-0.5
         )
         out[rows] = o[:, 0].to(out.dtype)
-        for j, i in enumerate(ids):
-            for _, page in meta.save_points[i]:  # a decode's only save point is after its token
-                conv_pages[page] = conv_state[j]
-                rec_pages[page] = rec_state[j]
+        conv_pages[plan.save_pages] = conv_state[plan.save_rows].to(conv_pages.dtype)
+        rec_pages[plan.save_pages] = rec_state[plan.save_rows].to(rec_pages.dtype)
 
     def _prefill(self, mixed, g, beta, pages, meta: LinearStateMetadata, i: int, out) -> None:
         """One request's tokens, the recurrent state cut at each save point:
@@ -215,8 +263,8 @@ class GatedDeltaNet(nn.Module):
                 )
                 out[start + done : start + n] = o[0].to(out.dtype)
                 done = n
-            conv_pages[page] = window[0, :, n : n + kernel_size - 1]
-            rec_pages[page] = rec_state[0]
+            conv_pages[page] = window[0, :, n : n + kernel_size - 1].to(conv_pages.dtype)
+            rec_pages[page] = rec_state[0].to(rec_pages.dtype)
         assert done == end - start, "the last save point must cover every new token"
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from agentx import kernels
 from agentx.engine.models.attention import PagedAttention
-from agentx.engine.models.gated_deltanet import GatedDeltaNet
+from agentx.engine.models.gated_deltanet import GatedDeltaNet, LinearStepPlanner
 from agentx.engine.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -130,6 +130,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         spec: ModelSpec,
         layer_id: int,
         rotary: RotaryEmbedding,
+        planner: LinearStepPlanner,
         parallel: ParallelState,
         dtype: torch.dtype,
     ) -> None:
@@ -140,7 +141,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         if spec.get_layer_type(layer_id) == "linear_attention":
             self.mixer_name = "linear_attn"
             self.linear_attn = GatedDeltaNet(
-                spec.hidden_size, config, spec.rms_norm_eps, layer_id, parallel, dtype
+                spec.hidden_size, config, spec.rms_norm_eps, layer_id, planner, parallel, dtype
             )
         else:
             self.mixer_name = "self_attn"
@@ -197,8 +198,10 @@ class Qwen3NextForCausalLM(nn.Module):
         )
         rotary_dim = int(spec.head_dim * spec.arch_config.partial_rotary_factor)
         rotary = RotaryEmbedding(rotary_dim, spec.max_position, spec.rope_theta, spec.rope_scaling)
+        planner = LinearStepPlanner()
         self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(spec, i, rotary, parallel, dtype) for i in range(spec.num_layers)
+            Qwen3NextDecoderLayer(spec, i, rotary, planner, parallel, dtype)
+            for i in range(spec.num_layers)
         )
         self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, parallel, dtype)

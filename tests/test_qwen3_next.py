@@ -1,8 +1,8 @@
 """Qwen3-Next against transformers: a tiny random checkpoint (Gated DeltaNet and gated attention
 layers, MoE with a shared expert, one dense MLP layer) saved as a Hugging Face folder, loaded
-through agentx's safetensors loader, and run with paged KV and paged linear state built by hand
-here (the runner builds them for real): prefill, chunked prefill with save points, forks from a
-checkpoint, decode steps, mixed flat batches, greedy generation."""
+through agentx's safetensors loader, and run with paged KV and paged linear state built by
+tests/paged_harness.py (the runner builds them for real): prefill, chunked prefill with save
+points, forks from a checkpoint, decode steps, mixed flat batches, greedy generation."""
 
 import copy
 

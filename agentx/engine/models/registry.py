@@ -5,10 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from agentx.engine.models.llama import LlamaForCausalLM
+from agentx.engine.models.qwen3_next import Qwen3NextForCausalLM
 from agentx.errors import ModelLoadError
 
 MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 

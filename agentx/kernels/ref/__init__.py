@@ -1,6 +1,26 @@
 """The PyTorch reference backend: runs anywhere, and defines what every kernel must compute."""
 
 from agentx.kernels.ref.attention import paged_attention, write_kv
-from agentx.kernels.ref.ops import apply_rotary, rms_norm, silu_and_mul
+from agentx.kernels.ref.linear_attention import (
+    causal_conv1d,
+    conv_window,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+)
+from agentx.kernels.ref.moe import moe_experts, topk_softmax
+from agentx.kernels.ref.ops import apply_rotary, rms_norm, rms_norm_gated, silu_and_mul
 
-__all__ = ["apply_rotary", "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]
+__all__ = [
+    "apply_rotary",
+    "causal_conv1d",
+    "conv_window",
+    "gated_delta_rule_chunked",
+    "gated_delta_rule_recurrent",
+    "moe_experts",
+    "paged_attention",
+    "rms_norm",
+    "rms_norm_gated",
+    "silu_and_mul",
+    "topk_softmax",
+    "write_kv",
+]

@@ -26,3 +26,12 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMSNorm of x, then times silu(gate) (norm before gate, as Gated DeltaNet's output norm)."""
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    normed = (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+    return (normed.float() * F.silu(gate.float())).to(x.dtype)

@@ -7,7 +7,7 @@ safetensors files into tensors (already in Hugging Face Llama naming). Reading t
 the ``safetensors`` package, imported only when a folder is loaded.
 
 Supported ``architectures``: LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM (q/k/v
-biases), all mapped to the ``llama`` model.
+biases), all mapped to the ``llama`` model; Qwen3NextForCausalLM (the ``qwen3_next`` model).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from agentx.engine.models.loader import Checkpoint
+from agentx.engine.models.qwen3_next import Qwen3NextConfig
 from agentx.engine.models.spec import ModelSpec, RopeScaling
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import ModelLoadError
@@ -36,6 +37,7 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    "Qwen3NextForCausalLM": False,
 }
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed
 
@@ -65,7 +67,9 @@ def read_hf_spec(config: dict[str, Any]) -> ModelSpec:
     """A spec from a parsed ``config.json`` (eos ids come from the tokenizer files instead)."""
     architecture = _architecture(config)
     try:
-        return _spec_from_config(config, always_bias=_ARCHITECTURES[architecture])
+        spec = _spec_from_config(config, always_bias=_ARCHITECTURES[architecture])
+        refine = _ARCH_SPECS.get(architecture)
+        return refine(spec, config) if refine else spec
     except KeyError as exc:
         raise ModelLoadError(f"config.json has no {exc.args[0]!r}") from exc
 
@@ -92,6 +96,39 @@ def _spec_from_config(config: dict[str, Any], *, always_bias: bool) -> ModelSpec
         rope_scaling=_rope_scaling(rope),
         bos_token_id=bos if isinstance(bos, int) else None,
     )
+
+
+def _qwen3_next_spec(spec: ModelSpec, config: dict[str, Any]) -> ModelSpec:
+    num_layers = config["num_hidden_layers"]
+    interval = config.get("full_attention_interval", 4)
+    layer_types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+    # transformers 5 moves partial_rotary_factor into rope_parameters; older configs keep it on top
+    rotary = _rope_parameters(config).get("partial_rotary_factor")
+    arch_config = Qwen3NextConfig(
+        linear_num_key_heads=config["linear_num_key_heads"],
+        linear_num_value_heads=config["linear_num_value_heads"],
+        linear_key_head_dim=config["linear_key_head_dim"],
+        linear_value_head_dim=config["linear_value_head_dim"],
+        linear_conv_kernel_dim=config["linear_conv_kernel_dim"],
+        partial_rotary_factor=float(rotary or config.get("partial_rotary_factor", 0.25)),
+        num_experts=config["num_experts"],
+        num_experts_per_tok=config["num_experts_per_tok"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
+        norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        decoder_sparse_step=config.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),
+    )
+    return replace(
+        spec, architecture="qwen3_next", layer_types=tuple(layer_types), arch_config=arch_config
+    )
+
+
+# Hugging Face class -> what its spec adds to the Llama-shaped fields
+_ARCH_SPECS = {"Qwen3NextForCausalLM": _qwen3_next_spec}
 
 
 def _read_config(folder: Path) -> dict[str, Any]:

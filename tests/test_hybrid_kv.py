@@ -116,7 +116,7 @@ def test_linear_state_checkpoints_only_planned_boundaries():
     assert admit(kv, request) == (0, ([1, 2, 3], [4, 5, 6]))
     decode(kv, request, 100)
     # once computed, checkpoints are published and released; the request keeps its running page
-    assert kv.get_block_ids("a") == ([1, 2, 3], [0, 0, 5])
+    assert kv.get_block_ids("a") == ([1, 2, 3], [0, 0, 6])
     assert kv.pool.blocks[4].ref_cnt == 0 and kv.pool.blocks[4].block_hash is not None
     other = make_request("b", list(range(8)) + [50, 51, 52])
     assert admit(kv, other) == (8, ([7], [8]))

@@ -110,7 +110,8 @@ def test_held_forks_continue_their_own_linear_state(engines):
     assert len(handles) == 3
     base = parent_prompt + parent.token_ids
     children = [base + tokens(5, seed=10 + i) for i in range(3)]
-    streams = [engine.add_request(c, GREEDY, extends=h) for c, h in zip(children, handles, strict=True)]
+    pairs = zip(children, handles, strict=True)
+    streams = [engine.add_request(c, GREEDY, extends=h) for c, h in pairs]
     for child, s in zip(children, streams, strict=True):
         gen = s.result(timeout=120)
         assert gen.usage.cached_tokens == len(base) - 1  # the whole held state, tail included

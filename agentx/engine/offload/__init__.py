@@ -1,0 +1,25 @@
+"""KV offload below device memory: tier interface, host / disk / Mooncake tiers, the tiered
+store that chains them and the transfer worker that moves their bytes off the engine thread.
+
+Driven by the engine core; knows block hashes and byte pages, never requests or the scheduler.
+"""
+
+from agentx.engine.offload.base import EvictedBlock, KVTier, TierStats
+from agentx.engine.offload.disk import DiskTier
+from agentx.engine.offload.host import HostTier
+from agentx.engine.offload.tiered import TieredStore, TierLookup, TransferTicket
+from agentx.engine.offload.transfer import TransferEvent, TransferJob, TransferWorker
+
+__all__ = [
+    "DiskTier",
+    "EvictedBlock",
+    "HostTier",
+    "KVTier",
+    "TierLookup",
+    "TierStats",
+    "TieredStore",
+    "TransferEvent",
+    "TransferJob",
+    "TransferTicket",
+    "TransferWorker",
+]

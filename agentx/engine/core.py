@@ -21,6 +21,8 @@ from agentx.engine.kv_cache.retention import make_retention
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.tokenizer import Tokenizer
+from agentx.engine.offload.build import build_tiered_store, layout_fingerprint
+from agentx.engine.offload.manager import KVExport, OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
 from agentx.engine.request import Request, RequestStatus
 from agentx.engine.runner import ModelRunner
@@ -89,6 +91,13 @@ class EngineCore:
             make_retention(cache.retention_policy, cache.prefix_cache_retention_interval),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.offload: OffloadManager | None = None
+        if config.offload.enabled:
+            fingerprint = layout_fingerprint(
+                str(config.model), config.dtype, self.runner.layout, self.spec.architecture
+            )
+            store = build_tiered_store(config.offload, self.runner.page_bytes, fingerprint)
+            self.offload = OffloadManager(store, self.kv, self.runner, config.offload)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.spec.eos_token_ids
         )
@@ -169,6 +178,8 @@ class EngineCore:
             request.sampling.stop,
             request.sampling.include_stop_str_in_output,
         )
+        if self.offload is not None and self.offload.on_request(request):
+            self.scheduler.park(request)  # its prefix loads from a tier; others run meanwhile
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -222,24 +233,64 @@ class EngineCore:
         return True
 
     def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
-        return self.kv.release_held(handle, drop_cached)
+        if self.offload is None:
+            return self.kv.release_held(handle, drop_cached)
+        hashes = self.offload.held_hashes(handle) if drop_cached else []
+        self.offload.forget_handle(handle)
+        released = self.kv.release_held(handle, drop_cached)
+        self.offload.drop(hashes)  # release drops the session's blocks in every tier
+        return released
 
     def pin_kv(self, handle: str, pinned: bool = True) -> bool:
+        if self.offload is not None:
+            self.offload.pin(handle, pinned)  # a soft pin in every tier
         return self.kv.pin_held(handle, pinned)
 
+    def export_kv(self, handle: str) -> KVExport | None:
+        """A held sequence's prefix as another engine sharing a tier can import it."""
+        return None if self.offload is None else self.offload.export(handle)
+
+    def import_kv(self, export: KVExport, handle: str) -> int:
+        """Load an exported prefix from the shared tiers as held sequence ``handle``."""
+        if self.offload is None:
+            return 0
+        num = self.offload.import_(export, handle)
+        self._requeue(self.offload.take_ready())
+        return num
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        pending = self.offload is not None and self.offload.has_pending()
+        return self.scheduler.has_unfinished_requests() or pending
+
+    def _requeue(self, ready: list[tuple[str, str]]) -> None:
+        """Put requests whose prefix finished loading back in line, extending the loaded KV."""
+        for request_id, handle in ready:
+            request = self.scheduler.unpark(request_id)
+            if request is None:
+                self.kv.release_held(handle)  # aborted while it loaded
+            elif handle in self.kv.held:
+                request.extends = handle
+
+    def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
 
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.offload is not None:
+            self._requeue(self.offload.poll() + self.offload.take_ready())
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             self.runner.forget(sched_out.finished_request_ids)
+            if self.offload is not None:
+                self.offload.idle_wait()
             return []
         masks = self._grammar_masks(sched_out)
         runner_out = self.runner.execute(sched_out, masks)
         deltas = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.offload is not None:
+            self.offload.after_step()  # this step's KV is written: store what it published
         return [self._with_text(d) for d in deltas]
 
     def _with_text(self, delta: RequestOutput) -> RequestOutput:
@@ -277,10 +328,13 @@ class EngineCore:
             kv_num_cached_blocks=len(kv.pool.cached),
             kv_usage=kv.get_usage(),
             kv_num_held_sequences=len(kv.held),
+            **(self.offload.get_stats() if self.offload is not None else {}),
         )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
         assert set(self._texts) == set(self.scheduler.requests), "text state drifted"
         rows = set(self.runner.input_batch.row_of)
         known = self.scheduler.get_runner_request_ids()

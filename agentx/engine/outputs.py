@@ -93,6 +93,10 @@ class EngineStats:
     kv_num_cached_blocks: int
     kv_usage: float
     kv_num_held_sequences: int  # finished turns whose KV is kept for the turn extending them
+    offload_loaded_blocks: int = 0  # blocks loaded from a lower tier instead of recomputed
+    offload_stored_blocks: int = 0  # blocks written down to the tiers
+    offload_failed_blocks: int = 0  # loads that failed (recomputed instead)
+    offload_num_prefetches: int = 0  # sessions brought back before their tool returned
 
     @property
     def prefix_cache_hit_rate(self) -> float:

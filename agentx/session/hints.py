@@ -1,58 +1,26 @@
 """Hints: what an agent knows about the future, passed to the runtime with the next request.
 
-Each hint is a small frozen record. The engine acts on some now (priority orders the queue; a
-pin keeps the session's KV from being released for room; release drops it on close) and carries
-the rest (tool latency, branch points, turns left) on the request for the offload tiers.
+Each hint is a small frozen record (defined in agentx.engine.hints, re-exported here). The
+engine acts on them: priority orders the queue; a pin keeps the session's KV from being released
+for room, in every tier; release drops it on close, everywhere; a tool latency lets the offload
+tiers demote the waiting session and prefetch it back before the tool returns.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from agentx.engine.hints import BranchPoint, Pin, Priority, Release, ToolLatency, TurnsLeft
 from agentx.errors import InvalidRequestError
 
-
-@dataclass(frozen=True, slots=True)
-class ToolLatency:
-    """The tool call now running will take about ``seconds``."""
-
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class BranchPoint:
-    """This prefix will be forked ``num_forks`` times."""
-
-    num_forks: int
-
-
-@dataclass(frozen=True, slots=True)
-class TurnsLeft:
-    """About ``num_turns`` more turns will follow in this session."""
-
-    num_turns: int
-
-
-@dataclass(frozen=True, slots=True)
-class Priority:
-    """Lower runs first (the engine's priority queue); 0 is the default."""
-
-    level: int
-
-
-@dataclass(frozen=True, slots=True)
-class Pin:
-    """Keep (``pinned=True``) or stop keeping this session's KV from being released for room."""
-
-    pinned: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """On close, drop this session's cached blocks too, not only its hold on them."""
-
-    drop_cached: bool = True
-
+__all__ = [
+    "BranchPoint",
+    "Hint",
+    "Pin",
+    "Priority",
+    "Release",
+    "ToolLatency",
+    "TurnsLeft",
+    "make_hints",
+]
 
 Hint = ToolLatency | BranchPoint | TurnsLeft | Priority | Pin | Release
 

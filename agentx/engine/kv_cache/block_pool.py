@@ -93,6 +93,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # blocks published since the last take_published(), for the offload tiers (None: off)
+        self.published: list[tuple[BlockHash, KVBlock]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -152,6 +154,15 @@ class BlockPool:
             return  # another request computed the same content; this copy stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.published is not None:
+            self.published.append((block_hash, block))
+
+    def take_published(self) -> list[tuple[BlockHash, KVBlock]]:
+        """Drain the (hash, block) pairs published since the last call, still cached as such."""
+        if not self.published:
+            return []
+        out, self.published = self.published, []
+        return [(h, b) for h, b in out if b.block_hash == h]
 
     def drop_cached(self, blocks: Iterable[KVBlock]) -> None:
         """Forget the cached content of free blocks and queue them to be reused first."""

@@ -76,6 +76,13 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
 
+    def uncache_uncomputed(self, request_id: str, num_computed_tokens: int) -> None:
+        """Forget published blocks past the request's computed tokens (their KV never ran)."""
+        first = num_computed_tokens // self.block_size
+        for m in self.managers:
+            blocks = m.req_to_blocks.get(request_id, [])[first:]
+            self.pool.uncache_blocks([b for b in blocks if not b.is_null])
+
     def take(self, request_id: str) -> GroupBlocks:
         return tuple(m.take(request_id) for m in self.managers)
 

@@ -46,6 +46,9 @@ class HeldSequences:
         self.block_size = block_size
         self._held: dict[str, HeldSequence] = {}
         self._clock = 0
+        # handle -> when its session is expected back (a tool latency hint): under pressure,
+        # the sequence expected back last is released first (its blocks live on in the tiers)
+        self.expected_return: dict[str, float] = {}
 
     def __contains__(self, handle: str) -> bool:
         return handle in self._held
@@ -72,6 +75,7 @@ class HeldSequences:
         return held
 
     def release(self, handle: str, drop_cached: bool = False) -> bool:
+        self.expected_return.pop(handle, None)
         held = self._held.pop(handle, None)
         if held is None:
             return False
@@ -118,7 +122,7 @@ class HeldSequences:
         free (or none is left to release). ``keep`` is spared: a request is adopting it."""
         victims = sorted(
             (h for h in self._held.values() if not h.pinned and h.handle != keep),
-            key=lambda h: h.last_used,
+            key=lambda h: (-self.expected_return.get(h.handle, 0.0), h.last_used),
         )
         for held in victims:
             if self.pool.num_free_blocks >= num_blocks:

@@ -131,8 +131,11 @@ class KVCacheManager:
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request) -> None:
-        self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
-        self.coordinator.free(request.request_id)
+        rid, num_computed = request.request_id, request.num_computed_tokens
+        self.coordinator.remove_skipped_blocks(rid, num_computed)
+        # a request preempted in the step that scheduled it published blocks it never computed
+        self.coordinator.uncache_uncomputed(rid, num_computed)
+        self.coordinator.free(rid)
 
     def hold(self, request: Request) -> None:
         """Keep a finished request's blocks under its id for a request that ``extends`` it."""

@@ -74,6 +74,26 @@ class ModelRunner:
         for slot in self.kv_slots:  # (num_blocks, page_bytes): every group's layers
             slot[dst] = slot[src]
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block id across every slot (all layers of its group): an offload page."""
+        return self.layout.page_size_bytes * self.layout.num_slots
+
+    @torch.inference_mode()
+    def gather_pages(self, block_ids: list[int]) -> torch.Tensor:
+        """(n, page_bytes) uint8 copies of the blocks, on the host."""
+        ids = torch.tensor(block_ids, device=self.device)
+        pages = torch.stack([slot[ids] for slot in self.kv_slots], dim=1)  # (n, slots, page)
+        return pages.reshape(len(block_ids), -1).to("cpu", copy=True)
+
+    @torch.inference_mode()
+    def scatter_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        """Write (n, page_bytes) host pages into the blocks (every slot)."""
+        ids = torch.tensor(block_ids, device=self.device)
+        pages = pages.to(self.device).view(len(block_ids), len(self.kv_slots), -1)
+        for j, slot in enumerate(self.kv_slots):
+            slot[ids] = pages[:, j]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
         batch = self.input_batch.prepare(out)

@@ -39,6 +39,7 @@ class Scheduler:
         self.queue_cls = QUEUES[config.policy]
         self.waiting = self.queue_cls()
         self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}  # waiting on an offload load, out of line
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()  # not yet reported to the runner
         self._known_to_runner: set[str] = set()
@@ -75,7 +76,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif self.parked.pop(rid, None) is None:
                 self.waiting.remove(request)
             request.status = status
             self._free(request)
@@ -83,10 +84,23 @@ class Scheduler:
         return ended
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.parked)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.parked)
+
+    def park(self, request: Request) -> None:
+        """Take a waiting request out of line while its prefix loads from an offload tier;
+        others are scheduled meanwhile."""
+        self.waiting.remove(request)
+        self.parked[request.request_id] = request
+
+    def unpark(self, request_id: str) -> Request | None:
+        """Back in line (None if it was aborted while parked)."""
+        request = self.parked.pop(request_id, None)
+        if request is not None:
+            self.waiting.add(request)
+        return request
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -239,7 +253,9 @@ class Scheduler:
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
         assert not running_ids & waiting_ids, "a request is both running and waiting"
-        assert running_ids | waiting_ids == set(self.requests), "request index drifted"
+        parked_ids = set(self.parked)
+        assert not parked_ids & (running_ids | waiting_ids), "a parked request is in line"
+        assert running_ids | waiting_ids | parked_ids == set(self.requests), "index drifted"
         assert len(self.running) <= self.config.max_num_seqs
         held = set(self.kv.coordinator.managers[0].req_to_blocks)
         assert held <= running_ids, f"requests not running hold blocks: {held - running_ids}"

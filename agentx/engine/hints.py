@@ -1,0 +1,55 @@
+"""Hint records: what an agent knows about the future, carried on a request.
+
+The session builds them (agentx.session.hints re-exports these records); the engine acts on
+them: priority orders the queue, pin and release act on held KV, and the offload manager uses
+the tool latency to demote a waiting session's blocks and prefetch them before it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ToolLatency:
+    """The tool call now running will take about ``seconds``."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class BranchPoint:
+    """This prefix will be forked ``num_forks`` times."""
+
+    num_forks: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnsLeft:
+    """About ``num_turns`` more turns will follow in this session."""
+
+    num_turns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Priority:
+    """Lower runs first (the engine's priority queue); 0 is the default."""
+
+    level: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """Keep (``pinned=True``) or stop keeping this session's KV from being released for room."""
+
+    pinned: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """On close, drop this session's cached blocks too, not only its hold on them."""
+
+    drop_cached: bool = True
+
+
+__all__ = ["BranchPoint", "Pin", "Priority", "Release", "ToolLatency", "TurnsLeft"]

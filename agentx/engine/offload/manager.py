@@ -1,0 +1,282 @@
+"""The offload manager: drives the tiered store from the engine step (engine thread only).
+
+    store     blocks published on the device during a step are gathered after it (their KV is
+              written then) and written through to every tier, one batched job per step
+    load      a new request whose prefix continues in a tier is parked (out of line, others
+              run); its blocks load into fresh device blocks, become a held sequence the request
+              extends, and it goes back in line: it neither recomputes them nor stalls anyone
+    hints     a held session with a tool latency is released first under pressure (its blocks
+              live on in the tiers) and prefetched back ``prefetch_margin_s`` before it returns
+    migrate   ``export`` names a held sequence's blocks in the shared tiers; ``import_`` loads
+              them into another engine as a held sequence
+
+A load that fails midway keeps the prefix that arrived and the request recomputes the rest.
+The manager reads and writes KV only through the runner's page gather/scatter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from agentx.config import OffloadConfig
+from agentx.engine.hints import ToolLatency
+from agentx.engine.kv_cache import KVBlock, KVCacheManager
+from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.offload.tiered import TieredStore
+from agentx.engine.request import Request
+from agentx.engine.runner import ModelRunner
+
+
+@dataclass(frozen=True, slots=True)
+class KVExport:
+    """A session's prefix as another engine can import it from a shared tier."""
+
+    token_ids: tuple[int, ...]  # the tokens of the exported full blocks
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(slots=True)
+class _Load:
+    handle: str  # the held sequence the blocks become
+    request_id: str | None  # the parked request waiting for it (None: a prefetch or import)
+    token_ids: list[int]  # tokens of device_blocks + blocks
+    device_blocks: list[KVBlock]  # the device hit in front of the loaded blocks (referenced)
+    blocks: list[KVBlock]  # fresh device blocks the pages land in
+    hashes: list[BlockHash]
+    pages: torch.Tensor  # (n, page_bytes) host staging, untouched until the event
+
+
+@dataclass(slots=True)
+class OffloadCounters:
+    num_loaded_blocks: int = 0
+    num_stored_blocks: int = 0
+    num_failed_blocks: int = 0
+    num_prefetches: int = 0
+
+
+@dataclass(slots=True)
+class _ToolWait:
+    return_at: float
+    token_ids: list[int]
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+
+class OffloadManager:
+    def __init__(
+        self,
+        store: TieredStore,
+        kv: KVCacheManager,
+        runner: ModelRunner,
+        config: OffloadConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if len(kv.layout.groups) != 1:
+            raise ValueError("offload tiers support single-group (full attention) layouts only")
+        self.store = store
+        self.kv = kv
+        self.pool = kv.pool
+        self.runner = runner
+        self.config = config
+        self.clock = clock
+        self.block_size = kv.block_size
+        self.tier_names = [t.name for t in store.tiers]
+        self.pool.published = []
+        self.loads: dict[int, _Load] = {}
+        self.stores: dict[int, torch.Tensor] = {}  # pages kept alive until their event
+        self.tool_hints: dict[str, tuple[float, Request]] = {}  # request id -> latency, request
+        self.tool_waits: dict[str, _ToolWait] = {}  # held handle -> expected return
+        self.counters = OffloadCounters()
+        self._ready: list[tuple[str, str]] = []  # loads finished during a flush
+
+    # ---- loads ---------------------------------------------------------------------------
+
+    def on_request(self, request: Request) -> bool:
+        """Start loading the request's prefix from the tiers; True if it must be parked."""
+        for hint in request.hints:
+            if isinstance(hint, ToolLatency):
+                self.tool_hints[request.request_id] = (hint.seconds, request)
+        if not self.kv.enable_caching:
+            return False
+        held = self.kv.held.get(request.extends)
+        if held is not None and request.all_token_ids[: held.num_tokens] == held.token_ids:
+            return False  # the device still holds the whole previous turn
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self._start_load(
+            f"offload:{request.request_id}",
+            request.request_id,
+            request.all_token_ids,
+            request.block_hashes[:max_blocks],
+        )
+
+    def _start_load(
+        self,
+        handle: str,
+        request_id: str | None,
+        token_ids: list[int],
+        hashes: list[BlockHash],
+    ) -> bool:
+        max_length = len(hashes) * self.block_size
+        hit, num_hit = self.kv.coordinator.find_longest_cache_hit(hashes, max_length)
+        start = num_hit // self.block_size
+        num = self.store.lookup(hashes[start:]).num_hits
+        num = min(num, self.pool.num_free_blocks - len([b for b in hit[0] if b.ref_cnt == 0]))
+        if num <= 0:
+            return False
+        device_blocks = list(hit[0])
+        self.pool.touch(device_blocks)
+        blocks = self.pool.allocate_blocks(num)
+        pages = torch.empty((num, self.runner.page_bytes), dtype=torch.uint8)
+        ticket = self.store.load(hashes[start : start + num], list(pages))
+        self.loads[ticket.job_id] = _Load(
+            handle,
+            request_id,
+            token_ids[: (start + num) * self.block_size],
+            device_blocks,
+            blocks,
+            list(hashes[start : start + num]),
+            pages,
+        )
+        return True
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Drain finished transfers; returns (request id, held handle) of parked requests whose
+        load is done. Also starts the prefetches that are due."""
+        ready = []
+        for event in self.store.take_events():
+            if event.kind == "store":
+                self.stores.pop(event.job_id, None)
+                self.counters.num_stored_blocks += len(event.done)
+                continue
+            load = self.loads.pop(event.job_id)
+            self._finish_load(load, len(event.done))
+            if load.request_id is not None:
+                ready.append((load.request_id, load.handle))
+        self._prefetch_due()
+        return ready
+
+    def _finish_load(self, load: _Load, num_done: int) -> None:
+        done, failed = load.blocks[:num_done], load.blocks[num_done:]
+        if done:
+            self.runner.scatter_pages([b.block_id for b in done], load.pages[:num_done])
+            log, self.pool.published = self.pool.published, None  # the tiers have them
+            for block, block_hash in zip(done, load.hashes, strict=False):
+                self.pool.cache_block(block, block_hash)
+            self.pool.published = log
+        self.pool.free_blocks(failed)
+        self.counters.num_loaded_blocks += num_done
+        self.counters.num_failed_blocks += len(failed)
+        blocks = load.device_blocks + done
+        if not blocks:
+            return
+        self.kv.held.add(load.handle, load.token_ids[: len(blocks) * self.block_size], (blocks,))
+
+    def idle_wait(self, timeout: float = 0.005) -> None:
+        """Nothing to schedule: wait a little for a transfer instead of spinning."""
+        if self.loads:
+            self.store.worker.wait_idle(timeout)
+        elif self.tool_waits:
+            time.sleep(timeout)
+
+    # ---- stores and hints after a step ----------------------------------------------------
+
+    def after_step(self) -> None:
+        published = self.pool.take_published()
+        if published:
+            pages = self.runner.gather_pages([b.block_id for _, b in published])
+            ticket = self.store.store([h for h, _ in published], list(pages), self.tier_names)
+            self.stores[ticket.job_id] = pages
+        for rid in [r for r in self.tool_hints if r in self.kv.held]:
+            seconds, request = self.tool_hints.pop(rid)
+            held = self.kv.held.get(rid)
+            assert held is not None
+            return_at = self.clock() + seconds
+            num_full = held.num_tokens // self.block_size
+            self.tool_waits[rid] = _ToolWait(
+                return_at, held.token_ids[:], request.block_hashes[:num_full]
+            )
+            self.kv.held.expected_return[rid] = return_at
+        for rid in [r for r, (_, req) in self.tool_hints.items() if req.is_finished]:
+            if rid not in self.kv.held:
+                del self.tool_hints[rid]  # finished without holding its KV: nothing to do
+
+    def _prefetch_due(self) -> None:
+        now = self.clock()
+        for handle, wait in list(self.tool_waits.items()):
+            if now < wait.return_at - self.config.prefetch_margin_s:
+                continue
+            del self.tool_waits[handle]
+            if handle in self.kv.held:
+                continue  # never left the device
+            if self._start_load(handle, None, wait.token_ids, wait.block_hashes):
+                self.counters.num_prefetches += 1
+
+    def forget_handle(self, handle: str) -> None:
+        self.tool_waits.pop(handle, None)
+
+    # ---- pins, release, migration ---------------------------------------------------------
+
+    def held_hashes(self, handle: str) -> list[BlockHash]:
+        held = self.kv.held.get(handle)
+        if held is None:
+            return []
+        return [b.block_hash for b in held.blocks[0] if b.block_hash is not None]
+
+    def pin(self, handle: str, pinned: bool) -> None:
+        hashes = self.held_hashes(handle)
+        (self.store.pin if pinned else self.store.unpin)(hashes)
+
+    def drop(self, hashes: list[BlockHash]) -> None:
+        self.store.drop(hashes)
+
+    def export(self, handle: str, timeout: float = 30.0) -> KVExport | None:
+        """The held sequence's full blocks, once the tiers hold them (waits for the stores)."""
+        held = self.kv.held.get(handle)
+        if held is None:
+            return None
+        hashes = self.held_hashes(handle)
+        self.flush(timeout)
+        num = self.store.lookup(hashes).num_hits
+        return KVExport(tuple(held.token_ids[: num * self.block_size]), tuple(hashes[:num]))
+
+    def import_(self, export: KVExport, handle: str, timeout: float = 30.0) -> int:
+        """Load an exported prefix as held sequence ``handle``; returns its tokens on device."""
+        self._start_load(handle, None, list(export.token_ids), list(export.block_hashes))
+        self.flush(timeout)
+        held = self.kv.held.get(handle)
+        return 0 if held is None else held.num_tokens
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for every queued transfer and apply the finished ones (tests, migration)."""
+        deadline = time.monotonic() + timeout
+        while self.store.num_pending and time.monotonic() < deadline:
+            self.store.worker.wait_idle(max(0.0, deadline - time.monotonic()))
+            self._ready.extend(self.poll())
+
+    def take_ready(self) -> list[tuple[str, str]]:
+        """Loads finished during ``flush`` (their requests still wait to be put back in line)."""
+        out, self._ready = self._ready, []
+        return out
+
+    def has_pending(self) -> bool:
+        return bool(self.loads or self.tool_waits or self._ready)
+
+    def get_stats(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "offload_loaded_blocks": c.num_loaded_blocks,
+            "offload_stored_blocks": c.num_stored_blocks,
+            "offload_failed_blocks": c.num_failed_blocks,
+            "offload_num_prefetches": c.num_prefetches,
+        }
+
+    def check_integrity(self) -> None:
+        self.store.check_integrity()
+        for load in self.loads.values():
+            assert all(b.ref_cnt > 0 for b in load.blocks), f"{load.handle}: a loading block freed"
+
+    def close(self) -> None:
+        self.store.close()

@@ -6,6 +6,7 @@ with that reason, and only the refusal itself is tested.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -203,5 +204,24 @@ def test_master_absent_is_unhealthy_not_hanging():
         assert tier.lookup([H(0)]) == 0 and tier.prepare_store([H(0)]) == []
         assert tier.prepare_load([H(0)]) == 0
         assert time.monotonic() - start < 3
+    finally:
+        tier.close()
+
+
+@private
+def test_hung_master_times_out_then_recovers(master):
+    tier = make_tier(master.address, lookup_timeout_s=0.3)
+    try:
+        assert put(tier, [0]) == [True]
+        os.kill(master.pid, signal.SIGSTOP)  # alive but silent: TCP still connects
+        try:
+            start = time.monotonic()
+            assert tier.lookup([H(0)]) == 0
+            assert time.monotonic() - start < 1.5
+            assert not tier.healthy and tier.prepare_store([H(1)]) == []
+        finally:
+            os.kill(master.pid, signal.SIGCONT)
+        assert wait_until(lambda: tier.healthy)
+        assert tier.lookup([H(0)]) == 1  # the same master: its objects are still there
     finally:
         tier.close()

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -53,7 +53,9 @@ class MooncakeTier(KVTier):
         segment_bytes: int = 64 << 20,
         staging_blocks: int = 16,
         timeout_s: float = 2.0,
+        lookup_timeout_s: float = 0.5,
         retry_interval_s: float = 1.0,
+        local_hostname: str = "127.0.0.1",
         name: str = "mooncake",
     ) -> None:
         self.name = name
@@ -61,13 +63,18 @@ class MooncakeTier(KVTier):
         self.master_address = master_address
         self.segment_bytes = segment_bytes
         self.timeout_s = timeout_s
+        self.lookup_timeout_s = lookup_timeout_s
         self.retry_interval_s = retry_interval_s
+        self.local_hostname = local_hostname
         digest = hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
         self.key_prefix = f"agentx/{digest}/"
         # the worker's staging rows: Mooncake reads/writes only registered memory
         self._staging = torch.zeros((staging_blocks, page_bytes), dtype=torch.uint8)
         self._meta = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-meta")  # engine side
         self._data = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-data")  # worker side
+        self._probe = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-probe")  # reconnects
+        self._last: dict[ThreadPoolExecutor, Future] = {}
+        self._probing: Future | None = None
         self._lock = threading.Lock()
         self._store = None
         self._healthy = False
@@ -77,7 +84,7 @@ class MooncakeTier(KVTier):
         self._pinned: set[BlockHash] = set()
         self._counts = dict(stored=0, loaded=0, failed=0)
         self._closed = False
-        self._reconnect()
+        self._reconnect()  # synchronous once (bounded), so a reachable master is used at once
 
     def key(self, block_hash: BlockHash) -> str:
         return self.key_prefix + block_hash.hex()
@@ -86,8 +93,13 @@ class MooncakeTier(KVTier):
 
     @property
     def healthy(self) -> bool:
-        if not self._healthy and not self._closed and time.monotonic() >= self._next_retry:
-            self._reconnect()
+        """False while broken; then, at most every ``retry_interval_s``, a reconnect attempt is
+        started in the background (the caller never waits for it)."""
+        if self._healthy or self._closed or time.monotonic() < self._next_retry:
+            return self._healthy
+        if self._probing is None or self._probing.done():
+            self._next_retry = time.monotonic() + self.retry_interval_s
+            self._probing = self._probe.submit(self._reconnect)
         return self._healthy
 
     def _mark_unhealthy(self, why: str) -> None:
@@ -102,6 +114,8 @@ class MooncakeTier(KVTier):
         if not port_is_open(host, int(port), timeout=min(0.3, self.timeout_s)):
             return
         if self._store is None:
+            # a reachable master answers setup in milliseconds; an absent one makes it retry
+            # for ~90 s, hence the port probe above and the timeout here
             store = self._call(self._meta, self._setup, timeout=max(self.timeout_s, 5.0))
             if store is None:
                 return
@@ -117,7 +131,7 @@ class MooncakeTier(KVTier):
 
         store = MooncakeDistributedStore()
         rc = store.setup(
-            "127.0.0.1", "P2PHANDSHAKE", self.segment_bytes, 16 << 20, "tcp", "",
+            self.local_hostname, "P2PHANDSHAKE", self.segment_bytes, 16 << 20, "tcp", "",
             self.master_address,
         )  # fmt: skip
         if rc != 0:
@@ -128,9 +142,17 @@ class MooncakeTier(KVTier):
         return store
 
     def _call(self, pool: ThreadPoolExecutor, fn: Callable, *args, timeout: float | None = None):
-        """Run one client call on ``pool`` with a timeout; None (and unhealthy) on failure."""
+        """Run one client call on ``pool`` with a timeout; None (and unhealthy) on failure.
+
+        A call still stuck from an earlier timeout blocks the pool: then nothing new is queued
+        behind it (the tier stays unhealthy until it returns)."""
+        last = self._last.get(pool)
+        if last is not None and not last.done():
+            self._mark_unhealthy("an earlier call is still stuck")
+            return None
         try:
-            return pool.submit(fn, *args).result(timeout or self.timeout_s)
+            future = self._last[pool] = pool.submit(fn, *args)
+            return future.result(timeout or self.timeout_s)
         except FutureTimeout:
             self._mark_unhealthy(f"{getattr(fn, '__name__', fn)} timed out")
         except Exception as exc:  # noqa: BLE001  (a broken client is an unhealthy tier)
@@ -151,7 +173,10 @@ class MooncakeTier(KVTier):
         if not hashes or not self.healthy:
             return [False] * len(hashes)
         keys = [self.key(h) for h in hashes]
-        codes = self._check_codes(self._call(self._meta, self._store.batch_is_exist, keys))
+        codes = self._call(
+            self._meta, self._store.batch_is_exist, keys, timeout=self.lookup_timeout_s
+        )
+        codes = self._check_codes(codes)
         if codes is None:
             return [False] * len(hashes)
         with self._lock:
@@ -268,7 +293,8 @@ class MooncakeTier(KVTier):
         self.unpin(hashes)
         if hashes and self.healthy:
             keys = [self.key(h) for h in hashes]
-            self._check_codes(self._call(self._meta, self._store.batch_remove, keys))
+            codes = self._call(self._meta, self._store.batch_remove, keys, timeout=self.timeout_s)
+            self._check_codes(codes)
 
     def get_stats(self) -> TierStats:
         with self._lock:
@@ -302,4 +328,5 @@ class MooncakeTier(KVTier):
             if wait:
                 done.result(max(self.timeout_s, 5.0))
         self._meta.shutdown(wait=False, cancel_futures=True)
+        self._probe.shutdown(wait=False, cancel_futures=True)
         self._data.shutdown(wait=False)

@@ -128,8 +128,9 @@ class MooncakeMaster:
         self.kill()
         raise OffloadError(f"mooncake_master not ready on {self.address} after {timeout}s")
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM the process this object started, SIGKILL if it lingers."""
+    def stop(self, timeout: float = 1.0) -> None:
+        """SIGTERM the process this object started, SIGKILL if it lingers (it holds only a
+        cache, nothing to flush)."""
         if self._proc is None:
             return
         if self._proc.poll() is None:

@@ -225,3 +225,30 @@ def test_hung_master_times_out_then_recovers(master):
         assert tier.lookup([H(0)]) == 1  # the same master: its objects are still there
     finally:
         tier.close()
+
+
+@private
+def test_three_tiers_promote_from_mooncake(master, tmp_path):
+    from agentx.engine.offload import build_tiered_store
+
+    store = build_tiered_store(
+        PAGE, "smollm2-fp32-b16", host_blocks=2, disk_root=tmp_path, disk_bytes=1 << 20,
+        mooncake_address=master.address,
+    )  # fmt: skip
+    try:
+        assert [t.name for t in store.tiers] == ["host", "disk", "mooncake"]
+        store.store([H(0), H(1)], pages_of([0, 1]), tiers=["mooncake"])
+        store.store([H(2)], pages_of([2]), tiers=["disk"])
+        assert store.worker.wait_idle(10) and all(e.ok for e in store.take_events())
+        hit = store.lookup([H(0), H(1), H(2), H(3)])
+        assert hit.tiers == ("mooncake", "mooncake", "disk")
+        dst = empty(4)
+        assert store.load([H(0), H(1), H(2), H(3)], dst).hashes == (H(0), H(1), H(2))
+        assert store.worker.wait_idle(10)
+        (ev,) = store.take_events()
+        assert ev.done == (H(0), H(1), H(2)) and [int(p[0]) for p in dst[:3]] == [0, 1, 2]
+        # host holds 2: 0 and 1 were promoted; 2 did not fit (0 and 1 were in flight)
+        assert store.lookup([H(0), H(1), H(2)]).tiers == ("host", "host", "disk")
+        store.check_integrity()
+    finally:
+        store.close()

@@ -159,6 +159,9 @@ def test_pin_and_drop_reach_every_tier(tiers):
 
 
 class _Gate(TransferJob):
+    kind = "store"
+    hashes = ()
+
     def __init__(self, job_id, gate):
         self.job_id, self.gate = job_id, gate
 
@@ -184,3 +187,26 @@ def test_submit_never_blocks_and_events_keep_order():
     assert [e.job_id for e in worker.take_events()] == [2]
     with pytest.raises(RuntimeError):
         worker.submit(_Gate(3, gates[0]))
+
+
+class _Broken(_Gate):
+    hashes = (H(0),)
+
+    def run(self):
+        raise RuntimeError("midway")
+
+    def fail(self, exc):
+        raise RuntimeError("and its cleanup too")
+
+
+def test_worker_survives_a_job_whose_cleanup_fails():
+    worker = TransferWorker()
+    opened = threading.Event()
+    opened.set()
+    worker.submit(_Broken(1, None))
+    worker.submit(_Gate(2, opened))
+    assert worker.wait_idle(10)
+    first, second = worker.take_events()
+    assert (first.job_id, first.done, first.failed) == (1, (), (H(0),))
+    assert second.job_id == 2
+    worker.close()

@@ -110,7 +110,8 @@ PEER = textwrap.dedent(
     from agentx.engine.kv_cache.hashing import hash_block
     from agentx.engine.offload.mooncake import MooncakeTier
     H = lambda i: hash_block(None, [i])
-    tier = MooncakeTier(sys.argv[1], 4096, fingerprint="smollm2-fp32-b16")
+    print("READY", flush=True)
+    tier = MooncakeTier(sys.stdin.readline().strip(), 4096, fingerprint="smollm2-fp32-b16")
     hashes = [H(i) for i in (10, 11)]
     planned = tier.prepare_store(hashes)
     ok = tier.write(planned, [torch.full((4096,), i, dtype=torch.uint8) for i in (10, 11)])
@@ -127,34 +128,27 @@ PEER = textwrap.dedent(
 )
 
 
-@private
-def test_two_processes_share_blocks(master):
-    tier = make_tier(master.address)
-    try:
-        assert put(tier, [0, 1]) == [True, True]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        peer = subprocess.Popen(
-            [sys.executable, "-c", PEER, master.address],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, env=env,
-        )  # fmt: skip
-        try:
-            line = peer.stdout.readline()
-            assert line.split(" ", 1) == [
-                "PEER",
-                f"[True, True] 2 [True, True] [0, {PAGE}]\n",
-            ]
-            # and this process reads what the peer stored, while the peer is alive
-            assert tier.lookup([H(10), H(11)]) == 2
-            dst = empty(2)
-            tier.prepare_load([H(10), H(11)])
-            assert tier.read([H(10), H(11)], dst) == [True, True]
-            tier.complete_load([H(10), H(11)])
-            assert [int(p[0]) for p in dst] == [10, 11]
-        finally:
-            peer.communicate("\n", timeout=20)
-    finally:
-        tier.close()
+@pytest.fixture(scope="module")
+def peer():
+    """A second engine process, started early: importing agentx takes seconds, so it imports
+    while the other tests of this module run, then waits for a master address on stdin."""
+    if not launcher.has_private_network():
+        yield None
+        return
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PEER],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True, env=env,
+    )  # fmt: skip
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(autouse=True)
+def _start_peer_early(peer):
+    """Every test of this module asks for the peer, so the first one starts it."""
 
 
 @private
@@ -252,3 +246,25 @@ def test_three_tiers_promote_from_mooncake(master, tmp_path):
         store.check_integrity()
     finally:
         store.close()
+
+
+@private
+def test_two_processes_share_blocks(master, peer):
+    tier = make_tier(master.address)
+    try:
+        assert put(tier, [0, 1]) == [True, True]
+        assert peer.stdout.readline() == "READY\n"
+        peer.stdin.write(master.address + "\n")
+        peer.stdin.flush()
+        line = peer.stdout.readline()
+        assert line.split(" ", 1) == ["PEER", f"[True, True] 2 [True, True] [0, {PAGE}]\n"]
+        # and this process reads what the peer stored, while the peer is alive
+        assert tier.lookup([H(10), H(11)]) == 2
+        dst = empty(2)
+        tier.prepare_load([H(10), H(11)])
+        assert tier.read([H(10), H(11)], dst) == [True, True]
+        tier.complete_load([H(10), H(11)])
+        assert [int(p[0]) for p in dst] == [10, 11]
+        peer.communicate("\n", timeout=20)
+    finally:
+        tier.close()

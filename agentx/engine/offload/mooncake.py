@@ -32,6 +32,7 @@ import torch
 from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.offload.base import KVTier, TierStats, check_pages
 from agentx.engine.offload.mooncake_master import port_is_open
+from agentx.errors import ConfigError
 
 __all__ = ["MooncakeTier"]
 
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 _RPC_FAIL = -900  # the master did not answer
 _NOT_INITIALIZED = -600
-_ALREADY_EXISTS = -706  # another engine stored the same block first: it is there
+_ALREADY_EXISTS = -706  # (this version answers 0 to a put of an existing key: also fine)
+_MIN_SEGMENT_BYTES = 16 << 20  # the client refuses smaller segments
 
 
 class MooncakeTier(KVTier):
@@ -58,6 +60,10 @@ class MooncakeTier(KVTier):
         local_hostname: str = "127.0.0.1",
         name: str = "mooncake",
     ) -> None:
+        if segment_bytes < _MIN_SEGMENT_BYTES:
+            raise ConfigError(f"a Mooncake segment needs at least 16 MiB, got {segment_bytes}")
+        if page_bytes > segment_bytes:
+            raise ConfigError(f"page_bytes {page_bytes} exceeds the segment ({segment_bytes})")
         self.name = name
         self.page_bytes = page_bytes
         self.master_address = master_address
@@ -84,6 +90,7 @@ class MooncakeTier(KVTier):
         self._pinned: set[BlockHash] = set()
         self._counts = dict(stored=0, loaded=0, failed=0)
         self._closed = False
+        self._warned_setup = False
         self._reconnect()  # synchronous once (bounded), so a reachable master is used at once
 
     def key(self, block_hash: BlockHash) -> str:
@@ -118,6 +125,12 @@ class MooncakeTier(KVTier):
             # for ~90 s, hence the port probe above and the timeout here
             store = self._call(self._meta, self._setup, timeout=max(self.timeout_s, 5.0))
             if store is None:
+                if not self._warned_setup:
+                    self._warned_setup = True
+                    logger.warning(
+                        "mooncake tier %s: cannot set up a client of %s; retrying every %.1fs",
+                        self.name, self.master_address, self.retry_interval_s,
+                    )  # fmt: skip
                 return
             self._store = store
         elif self._call(self._meta, self._store.health_check) != 0:

@@ -25,10 +25,13 @@ demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
 # pytest runs in a private network namespace with only loopback: the Mooncake tests start a
-# master and clients, and Mooncake binds every interface whatever its flags say
+# master and clients, and Mooncake binds every interface whatever its flags say (as root:
+# unshare -n; otherwise a user namespace: unshare -rn)
 test: $(STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples
-	unshare -n sh -c 'ip link set lo up && $(BIN)/python -m pytest -q'
+	@if unshare -n true 2>/dev/null; then ns="unshare -n"; else ns="unshare -rn"; fi; \
+		echo "$$ns sh -c 'ip link set lo up && $(BIN)/python -m pytest -q'"; \
+		$$ns sh -c 'ip link set lo up && $(BIN)/python -m pytest -q'
 
 lint: $(STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples

@@ -157,14 +157,14 @@ def test_master_killed_then_restarted(master):
     store = TieredStore([HostTier(PAGE, num_blocks=4), tier])
     try:
         store.store([H(0)], pages_of([0]), tiers=["mooncake"])
-        assert store.worker.wait_idle(10) and store.take_events()[0].done == (H(0),)
+        assert store.wait_idle(10) and store.take_events()[0].done == (H(0),)
         master.kill()
         start = time.monotonic()
         assert tier.lookup([H(0)]) == 0  # the dead master makes a miss, quickly
         assert not tier.healthy
         assert store.lookup([H(0)]).num_hits == 0
         store.store([H(1)], pages_of([1]), tiers=["mooncake"])
-        assert store.worker.wait_idle(10)
+        assert store.wait_idle(10)
         (ev,) = store.take_events()
         assert ev.skipped == (H(1),)
         assert time.monotonic() - start < 5
@@ -176,13 +176,13 @@ def test_master_killed_then_restarted(master):
 
         def stored_again():  # the client remounts its segment a moment after the restart
             store.store([H(2)], pages_of([2]), tiers=["mooncake"])
-            assert store.worker.wait_idle(10)
+            assert store.wait_idle(10)
             return store.take_events()[0].done == (H(2),)
 
         assert wait_until(stored_again)
         dst = empty(1)
         store.load([H(2)], dst)
-        assert store.worker.wait_idle(10) and store.take_events()[0].done == (H(2),)
+        assert store.wait_idle(10) and store.take_events()[0].done == (H(2),)
         assert int(dst[0][0]) == 2
         store.check_integrity()
     finally:
@@ -233,12 +233,12 @@ def test_three_tiers_promote_from_mooncake(master, tmp_path):
         assert [t.name for t in store.tiers] == ["host", "disk", "mooncake"]
         store.store([H(0), H(1)], pages_of([0, 1]), tiers=["mooncake"])
         store.store([H(2)], pages_of([2]), tiers=["disk"])
-        assert store.worker.wait_idle(10) and all(e.ok for e in store.take_events())
+        assert store.wait_idle(10) and all(e.ok for e in store.take_events())
         hit = store.lookup([H(0), H(1), H(2), H(3)])
         assert hit.tiers == ("mooncake", "mooncake", "disk")
         dst = empty(4)
         assert store.load([H(0), H(1), H(2), H(3)], dst).hashes == (H(0), H(1), H(2))
-        assert store.worker.wait_idle(10)
+        assert store.wait_idle(10)
         (ev,) = store.take_events()
         assert ev.done == (H(0), H(1), H(2)) and [int(p[0]) for p in dst[:3]] == [0, 1, 2]
         # host holds 2: 0 and 1 were promoted; 2 did not fit (0 and 1 were in flight)

@@ -32,7 +32,7 @@ def empty(n) -> list[torch.Tensor]:
 
 
 def drain(store: TieredStore) -> list[TransferEvent]:
-    assert store.worker.wait_idle(10)
+    assert store.wait_idle(10)
     events = store.take_events()
     store.check_integrity()
     return events
@@ -141,7 +141,7 @@ def test_unhealthy_or_full_tier_skips(tmp_path):
     store = TieredStore([host])
     held = host.prepare_store([H(9)])  # the only slot is in flight
     store.store([H(0)], pages_of([0]))
-    assert store.worker.wait_idle(10)
+    assert store.wait_idle(10)
     (ev,) = store.take_events()
     assert ev.skipped == (H(0),) and ev.done == ev.failed == ()
     host.complete_store(held, [False])
@@ -231,7 +231,7 @@ def test_random_ops_never_serve_wrong_bytes(tmp_path):
             elif op < 0.8:
                 dst = empty(len(ids))
                 ticket = store.load([H(i) for i in ids], dst)
-                assert store.worker.wait_idle(10)
+                assert store.wait_idle(10)
                 for ev in store.take_events():
                     if ev.job_id == ticket.job_id:
                         for h, page in zip(ev.done, dst, strict=False):

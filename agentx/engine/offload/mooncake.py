@@ -201,8 +201,8 @@ class MooncakeTier(KVTier):
             return []
         out = []
         with self._lock:
-            for block_hash, there in zip(hashes, present, strict=True):
-                if not there and block_hash not in self._storing and block_hash not in out:
+            for block_hash, there in dict(zip(hashes, present, strict=True)).items():
+                if not there and block_hash not in self._storing:
                     out.append(block_hash)
             self._storing.update(out)
         return out

@@ -12,6 +12,8 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     ├── RequestAbortedError    the request was aborted (by the caller or by cancellation)
     ├── EngineClosedError      a request arrived after the engine was closed
     ├── EngineDeadError        the engine loop crashed; every waiting request fails with this
+    ├── OffloadError           an offload tier cannot start (mooncake_master missing, not ready,
+    │                          or asked to start outside a private network namespace)
     └── SessionError           misuse of a Session
         ├── SessionClosedError     the session (or its parent) was closed
         ├── TurnInProgressError    a second turn while one is open on the same session
@@ -32,6 +34,7 @@ __all__ = [
     "InvalidRequestError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "OffloadError",
     "PromptTooLongError",
     "RequestAbortedError",
     "SamplingParamsError",
@@ -99,3 +102,7 @@ class TurnInProgressError(SessionError):
 
 class UnknownToolCallError(SessionError, InvalidRequestError):
     """A tool result names a call id that no assistant message of this session made."""
+
+
+class OffloadError(AgentXError):
+    """An offload tier cannot start; a running tier never raises, it misses and skips."""

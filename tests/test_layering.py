@@ -36,6 +36,13 @@ FORBIDDEN = {
         "agentx.engine.core",
         "agentx.engine.client",
     ],
+    "agentx.engine.offload": [
+        "agentx.engine.scheduler",
+        "agentx.engine.runner",
+        "agentx.engine.models",
+        "agentx.engine.core",
+        "agentx.engine.client",
+    ],
     "agentx.engine.core": ["agentx.engine.client"],
 }
 

@@ -2,11 +2,15 @@
 store that chains them and the transfer worker that moves their bytes off the engine thread.
 
 Driven by the engine core; knows block hashes and byte pages, never requests or the scheduler.
+The Mooncake package is imported only when a Mooncake tier connects.
 """
 
 from agentx.engine.offload.base import EvictedBlock, KVTier, TierStats
+from agentx.engine.offload.build import build_tiered_store
 from agentx.engine.offload.disk import DiskTier
 from agentx.engine.offload.host import HostTier
+from agentx.engine.offload.mooncake import MooncakeTier
+from agentx.engine.offload.mooncake_master import MooncakeMaster, has_private_network
 from agentx.engine.offload.tiered import TieredStore, TierLookup, TransferTicket
 from agentx.engine.offload.transfer import TransferEvent, TransferJob, TransferWorker
 
@@ -15,6 +19,8 @@ __all__ = [
     "EvictedBlock",
     "HostTier",
     "KVTier",
+    "MooncakeMaster",
+    "MooncakeTier",
     "TierLookup",
     "TierStats",
     "TieredStore",
@@ -22,4 +28,6 @@ __all__ = [
     "TransferJob",
     "TransferTicket",
     "TransferWorker",
+    "build_tiered_store",
+    "has_private_network",
 ]

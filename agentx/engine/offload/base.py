@@ -132,7 +132,9 @@ class KVTier(ABC):
         """Pin the leading present hashes for reading; return how many (a prefix of ``hashes``).
 
         A pinned block is never evicted until ``complete_load`` with the same prefix. Counts as a
-        use for LRU. Engine thread.
+        use for LRU. A shared tier whose store evicts on its own (Mooncake) may trust the
+        caller's fresh lookup instead; its ``read`` then fails a block that vanished. Engine
+        thread.
         """
 
     @abstractmethod

@@ -15,6 +15,9 @@ rebuilds the index from a directory listing. Layout::
 A block whose checksum, size or header does not match is a miss (the read fails and the file is
 deleted), never wrong bytes. A write that fails (disk full: ENOSPC) skips the store with one
 warning per episode. LRU order survives restarts through file mtimes (a load touches the file).
+One process owns a folder at a time (the index lives in memory); two processes on one folder
+stay safe, not efficient: a block the other deleted fails its read and is recomputed. Files are
+not fsynced: after a crash a torn file fails its checksum, never serves wrong bytes.
 """
 
 from __future__ import annotations

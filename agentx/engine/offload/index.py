@@ -143,10 +143,10 @@ class IndexedTier(KVTier):
             return [self._index.is_present(h) for h in hashes]
 
     def prepare_store(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        out = []
+        out: list[BlockHash] = []
         with self._lock:
-            for block_hash in hashes:
-                if block_hash in self._index.entries or block_hash in out:
+            for block_hash in dict.fromkeys(hashes):  # dedup, keep order
+                if block_hash in self._index.entries:
                     continue
                 entry, victims = self._index.reserve(block_hash, self._block_size())
                 if entry is None:

@@ -59,6 +59,7 @@ class StoreJob(TransferJob):
         targets: tuple[KVTier, ...],
     ) -> None:
         self.job_id = job_id
+        self.kind = "store"
         self.hashes = hashes
         self.present = present  # held by a target tier before the job: done, not rewritten
         self.ops = ops
@@ -105,7 +106,8 @@ class LoadJob(TransferJob):
         promotion: TierOp | None,
     ) -> None:
         self.job_id = job_id
-        self.loaded = loaded
+        self.kind = "load"
+        self.hashes = self.loaded = loaded
         self.reads = reads
         self.demotions = demotions  # victims of the promotion, written below before it lands
         self.promotion = promotion

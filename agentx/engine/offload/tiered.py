@@ -216,6 +216,8 @@ class TieredStore:
     # --- hints, events, state -----------------------------------------------------------------
 
     def pin(self, hashes: Sequence[BlockHash]) -> None:
+        """Hint: evict these last, in every tier (also when stored later). Pins are kept by
+        hash until ``unpin`` or ``drop``: the caller ends the hint."""
         for tier in self.tiers:
             tier.pin(hashes)
 
@@ -239,6 +241,10 @@ class TieredStore:
         for event in events:
             del self._pending[event.job_id]
         return events
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every queued job has its event (shutdown, tests). True if idle."""
+        return self.worker.wait_idle(timeout)
 
     @property
     def num_pending(self) -> int:

@@ -52,6 +52,8 @@ class TransferJob(ABC):
     """A unit of work for the worker; built and prepared on the engine thread."""
 
     job_id: int
+    kind: Literal["store", "load"]
+    hashes: tuple[BlockHash, ...]  # what the job covers (reported failed if all else fails)
 
     @abstractmethod
     def run(self) -> TransferEvent:
@@ -115,7 +117,11 @@ class TransferWorker:
                 event = job.run()
             except BaseException as exc:  # noqa: BLE001  (any failure is a failed transfer)
                 logger.warning("offload job %d failed: %r", job.job_id, exc)
-                event = job.fail(exc)
+                try:
+                    event = job.fail(exc)
+                except BaseException:  # noqa: BLE001  (the worker must outlive any job)
+                    logger.exception("offload job %d: cleanup failed", job.job_id)
+                    event = TransferEvent(job.job_id, job.kind, (), tuple(job.hashes))
             with self._idle:
                 self._events.append(event)
                 self._num_pending -= 1

@@ -1,0 +1,42 @@
+"""One call that builds the tier chain the engine asked for (host -> disk -> Mooncake)."""
+
+from __future__ import annotations
+
+import os
+
+from agentx.engine.offload.base import KVTier
+from agentx.engine.offload.disk import DiskTier
+from agentx.engine.offload.host import HostTier
+from agentx.engine.offload.mooncake import MooncakeTier
+from agentx.engine.offload.tiered import TieredStore
+
+__all__ = ["build_tiered_store"]
+
+
+def build_tiered_store(
+    page_bytes: int,
+    fingerprint: str,
+    host_blocks: int = 0,
+    disk_root: str | os.PathLike | None = None,
+    disk_bytes: int = 0,
+    mooncake_address: str | None = None,
+    mooncake_segment_bytes: int = 64 << 20,
+) -> TieredStore | None:
+    """The tiers whose sizes are given, top-down; None when none is.
+
+    ``fingerprint`` names the model and page layout (model id, dtype, block size, layer
+    layout): the disk folder and the Mooncake keys are namespaced by it. ``mooncake_address``
+    is a running master's ``host:port`` (see ``MooncakeMaster`` to start one on loopback).
+    """
+    tiers: list[KVTier] = []
+    if host_blocks > 0:
+        tiers.append(HostTier(page_bytes, host_blocks))
+    if disk_root is not None and disk_bytes > 0:
+        tiers.append(DiskTier(disk_root, fingerprint, page_bytes, disk_bytes))
+    if mooncake_address:
+        tiers.append(
+            MooncakeTier(
+                mooncake_address, page_bytes, fingerprint, segment_bytes=mooncake_segment_bytes
+            )
+        )
+    return TieredStore(tiers) if tiers else None

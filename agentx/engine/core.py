@@ -21,7 +21,7 @@ from agentx.engine.kv_cache.retention import make_retention
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.tokenizer import Tokenizer
-from agentx.engine.offload.build import build_tiered_store, layout_fingerprint
+from agentx.engine.offload.build import layout_fingerprint, store_from_config
 from agentx.engine.offload.manager import KVExport, OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
 from agentx.engine.request import Request, RequestStatus
@@ -96,8 +96,9 @@ class EngineCore:
             fingerprint = layout_fingerprint(
                 str(config.model), config.dtype, self.runner.layout, self.spec.architecture
             )
-            store = build_tiered_store(config.offload, self.runner.page_bytes, fingerprint)
-            self.offload = OffloadManager(store, self.kv, self.runner, config.offload)
+            store, master = store_from_config(config.offload, self.runner.page_bytes, fingerprint)
+            if store is not None:
+                self.offload = OffloadManager(store, self.kv, self.runner, config.offload, master)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.spec.eos_token_ids
         )

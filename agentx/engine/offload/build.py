@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
+from agentx.config import OffloadConfig
 from agentx.engine.offload.base import KVTier
 from agentx.engine.offload.disk import DiskTier
 from agentx.engine.offload.host import HostTier
 from agentx.engine.offload.mooncake import MooncakeTier
+from agentx.engine.offload.mooncake_master import MooncakeMaster
 from agentx.engine.offload.tiered import TieredStore
 
-__all__ = ["build_tiered_store"]
+__all__ = ["build_tiered_store", "layout_fingerprint", "store_from_config"]
 
 
 def build_tiered_store(
@@ -40,3 +43,31 @@ def build_tiered_store(
             )
         )
     return TieredStore(tiers) if tiers else None
+
+
+def layout_fingerprint(*parts: object) -> str:
+    """A short stable id of what a page means (model, dtype, layout): tiers are namespaced by
+    it, since block hashes cover tokens only."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
+
+
+def store_from_config(
+    config: OffloadConfig, page_bytes: int, fingerprint: str
+) -> tuple[TieredStore | None, MooncakeMaster | None]:
+    """The tiers an engine's OffloadConfig asks for, and the Mooncake master it started
+    (``mooncake="auto"``; the caller stops it on close)."""
+    master = None
+    address = config.mooncake
+    if address == "auto":
+        master = MooncakeMaster().start()
+        address = master.address
+    store = build_tiered_store(
+        page_bytes,
+        fingerprint,
+        host_blocks=config.host_bytes // page_bytes,
+        disk_root=config.disk_path,
+        disk_bytes=config.disk_bytes,
+        mooncake_address=address,
+        mooncake_segment_bytes=config.mooncake_bytes,
+    )
+    return store, master

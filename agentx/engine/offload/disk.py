@@ -116,6 +116,30 @@ class DiskTier(IndexedTier):
             self._evicted.clear()
         self._flush_unlinks()
 
+    def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Present blocks; a block file another process wrote since (a shared cache folder) is
+        adopted into the index when it is first asked for."""
+        present = super().contains(hashes)
+        if all(present):
+            return present
+        with self._lock:
+            for i, block_hash in enumerate(hashes):
+                if present[i] or block_hash in self._index.entries:
+                    continue
+                path = self.path_of(block_hash)
+                try:
+                    if path.stat().st_size != self.file_bytes:
+                        continue
+                except OSError:
+                    continue
+                entry, victims = self._index.reserve(block_hash, self.file_bytes)
+                for victim_hash, victim in victims:
+                    self._release(victim_hash, victim, evicted=True)
+                if entry is not None:
+                    entry.storing = False
+                    present[i] = True
+        return present
+
     # --- IndexedTier hooks --------------------------------------------------------------------
 
     def _block_size(self) -> int:

@@ -26,6 +26,7 @@ from agentx.config import OffloadConfig
 from agentx.engine.hints import ToolLatency
 from agentx.engine.kv_cache import KVBlock, KVCacheManager
 from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.offload.mooncake_master import MooncakeMaster
 from agentx.engine.offload.tiered import TieredStore
 from agentx.engine.request import Request
 from agentx.engine.runner import ModelRunner
@@ -72,6 +73,7 @@ class OffloadManager:
         kv: KVCacheManager,
         runner: ModelRunner,
         config: OffloadConfig,
+        master: MooncakeMaster | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if len(kv.layout.groups) != 1:
@@ -81,6 +83,7 @@ class OffloadManager:
         self.pool = kv.pool
         self.runner = runner
         self.config = config
+        self.master = master  # a mooncake_master this engine started (stopped on close)
         self.clock = clock
         self.block_size = kv.block_size
         self.tier_names = [t.name for t in store.tiers]
@@ -280,3 +283,5 @@ class OffloadManager:
 
     def close(self) -> None:
         self.store.close()
+        if self.master is not None:
+            self.master.stop()

@@ -102,6 +102,8 @@ class OffloadManager:
         for hint in request.hints:
             if isinstance(hint, ToolLatency):
                 self.tool_hints[request.request_id] = (hint.seconds, request)
+        if request.extends is not None:
+            self.tool_waits.pop(request.extends, None)  # the session is back: no prefetch
         if not self.kv.enable_caching:
             return False
         held = self.kv.held.get(request.extends)

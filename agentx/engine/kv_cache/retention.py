@@ -65,14 +65,12 @@ class IntervalRetention(RetentionPolicy):
     def plan(self, request: Request, block_size: int) -> CheckpointPlan:
         if self.interval == 0:
             return CheckpointPlan(rolling=True)
-        if self.interval % block_size:
-            raise ValueError(
-                f"retention interval {self.interval} is not a multiple of the block size "
-                f"{block_size}"
-            )
+        # checkpoints sit on block boundaries: a hybrid layout may have raised the block size
+        # past the configured interval, which then rounds up to a multiple of it
+        every = -(-self.interval // block_size) * block_size
         prompt_end = request.num_prompt_tokens // block_size * block_size
         fixed = frozenset({prompt_end}) if prompt_end else frozenset()
-        return CheckpointPlan(fixed=fixed, every=self.interval)
+        return CheckpointPlan(fixed=fixed, every=every)
 
 
 class MarconiRetention(RetentionPolicy):

@@ -16,9 +16,18 @@ if BACKEND == "triton":
     raise ConfigError("AGENTX_KERNELS=triton: the Triton backend is not built yet; use auto or ref")
 
 apply_rotary = _ref.apply_rotary
+gelu_tanh_and_mul = _ref.gelu_tanh_and_mul
 paged_attention = _ref.paged_attention
 rms_norm = _ref.rms_norm
 silu_and_mul = _ref.silu_and_mul
 write_kv = _ref.write_kv
 
-__all__ = ["BACKEND", "apply_rotary", "paged_attention", "rms_norm", "silu_and_mul", "write_kv"]
+__all__ = [
+    "BACKEND",
+    "apply_rotary",
+    "gelu_tanh_and_mul",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "write_kv",
+]

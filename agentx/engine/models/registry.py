@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from agentx.engine.models.gemma3 import Gemma3ForCausalLM
 from agentx.engine.models.llama import LlamaForCausalLM
 from agentx.errors import ModelLoadError
 
 MODELS: dict[str, type[nn.Module]] = {
+    "gemma3": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
 }
 

@@ -20,6 +20,7 @@ causal_conv1d = _ref.causal_conv1d
 conv_window = _ref.conv_window
 gated_delta_rule_chunked = _ref.gated_delta_rule_chunked
 gated_delta_rule_recurrent = _ref.gated_delta_rule_recurrent
+gelu_tanh_and_mul = _ref.gelu_tanh_and_mul
 moe_experts = _ref.moe_experts
 paged_attention = _ref.paged_attention
 rms_norm = _ref.rms_norm
@@ -35,6 +36,7 @@ __all__ = [
     "conv_window",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
+    "gelu_tanh_and_mul",
     "moe_experts",
     "paged_attention",
     "rms_norm",

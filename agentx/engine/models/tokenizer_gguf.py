@@ -1,9 +1,11 @@
 """Building a tokenizer from GGUF ``tokenizer.ggml.*`` metadata, and caching what was built.
 
-A GGUF file carries no ``tokenizer.json``: only tokens, merges and token types. The byte-level BPE
-is rebuilt from them, with the pre-tokenizer llama.cpp uses for ``tokenizer.ggml.pre`` (the split
-the merges were learned on). Building takes seconds, so a built tokenizer is kept in process and
-on disk under ``<cache_dir>/tokenizers/``, keyed by the file's path, mtime and size.
+A GGUF file carries no ``tokenizer.json``: only tokens, merges (or scores) and token types. A
+byte-level BPE (``tokenizer.ggml.model`` "gpt2") is rebuilt from them, with the pre-tokenizer
+llama.cpp uses for ``tokenizer.ggml.pre`` (the split the merges were learned on); a SentencePiece
+BPE ("llama": Gemma) becomes a BPE over ``▁``-spelled text with merges derived from the scores.
+Building takes seconds, so a built tokenizer is kept in process and on disk under
+``<cache_dir>/tokenizers/``, keyed by the file's path, mtime and size.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, NamedTuple
 
 import tokenizers
 from gguf import GGUFReader
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from agentx import env
 from agentx.engine.models.tokenizer import _CACHE_FORMAT, Tokenizer
@@ -30,8 +32,10 @@ __all__ = ["cached_gguf_tokenizer", "clear_tokenizer_cache", "open_gguf"]
 
 logger = logging.getLogger(__name__)
 
+_TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_SPACE = "\u2581"  # SentencePiece's visible space
 
 
 # --- building from GGUF metadata ---------------------------------------------------------------
@@ -102,10 +106,16 @@ _PRE_TOKENIZERS = {
 
 def _build_from_gguf(reader: GGUFReader) -> Tokenizer:
     model = _gguf_value(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
+    builders = {"gpt2": _build_byte_level_bpe, "llama": _build_sentencepiece_bpe}
+    if model not in builders:
         raise ModelLoadError(
-            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
+            f"GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' or "
+            "SentencePiece BPE 'llama')"
         )
+    return builders[model](reader)
+
+
+def _build_byte_level_bpe(reader: GGUFReader) -> Tokenizer:
     tokens: list[str] = _gguf_value(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type") or []
     merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges") or []
@@ -123,11 +133,67 @@ def _build_from_gguf(reader: GGUFReader) -> Tokenizer:
     backend.decoder = decoders.ByteLevel()
     _add_gguf_special_tokens(backend, tokens, token_types)
     add_bos = _gguf_value(reader, "tokenizer.ggml.add_bos_token")
+    return _wrap(reader, backend, recipe.add_bos if add_bos is None else bool(add_bos))
+
+
+def _build_sentencepiece_bpe(reader: GGUFReader) -> Tokenizer:
+    """SentencePiece BPE as a ``tokenizers`` BPE: spaces become ``▁`` (plus one in front when
+    ``add_space_prefix``), the whole text is one word, unknown bytes fall back to ``<0xNN>``.
+
+    SentencePiece merges the adjacent pair whose joined piece ranks best; a BPE applies the
+    lowest-ranked merge. So every split of a token into two vocabulary pieces is a merge, ranked
+    by the token's place in the file (then the longer left piece first). The place is the rank:
+    normal tokens' scores fall with it, while the user-defined space runs carry a placeholder
+    score (-1000) but merge at their place, as transformers' Gemma tokenizer does. Those runs
+    are stored as real spaces where the text holds ``▁``, so they are respelled.
+    """
+    tokens = [
+        _SPACE * len(t) if t and not t.strip(" ") else t
+        for t in _gguf_value(reader, "tokenizer.ggml.tokens")
+    ]
+    token_types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type")
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    merges = []
+    for token, kind in zip(tokens, token_types, strict=True):
+        if kind not in (_TOKEN_TYPE_NORMAL, _TOKEN_TYPE_USER_DEFINED):
+            continue
+        for cut in range(len(token) - 1, 0, -1):
+            if token[:cut] in vocab and token[cut:] in vocab:
+                merges.append((token[:cut], token[cut:]))
+    unk = _gguf_value(reader, "tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(
+        vocab,
+        merges,
+        unk_token=None if unk is None else tokens[unk],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = tokenizers.Tokenizer(bpe)
+    prefix = _gguf_value(reader, "tokenizer.ggml.add_space_prefix")
+    replace = normalizers.Replace(" ", _SPACE)
+    to_space = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix is None or prefix:  # llama.cpp's default for SentencePiece
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), replace])
+        backend.decoder = decoders.Sequence([*to_space, decoders.Strip(" ", 1, 0)])
+    else:
+        backend.normalizer = replace
+        backend.decoder = decoders.Sequence(to_space)
+    # the respelled space runs are vocabulary pieces now, not text to match whole
+    kinds = [
+        _TOKEN_TYPE_NORMAL if t.startswith(_SPACE) else kind
+        for t, kind in zip(tokens, token_types, strict=True)
+    ]
+    _add_gguf_special_tokens(backend, tokens, kinds)
+    add_bos = _gguf_value(reader, "tokenizer.ggml.add_bos_token")
+    return _wrap(reader, backend, True if add_bos is None else bool(add_bos))
+
+
+def _wrap(reader: GGUFReader, backend: tokenizers.Tokenizer, add_bos: bool) -> Tokenizer:
     return Tokenizer(
         backend,
         bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_gguf_value(reader, "tokenizer.ggml.eos_token_id"),
-        add_bos=recipe.add_bos if add_bos is None else bool(add_bos),
+        add_bos=add_bos,
         chat_template=_gguf_value(reader, "tokenizer.chat_template"),
     )
 

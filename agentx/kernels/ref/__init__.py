@@ -8,7 +8,13 @@ from agentx.kernels.ref.linear_attention import (
     gated_delta_rule_recurrent,
 )
 from agentx.kernels.ref.moe import moe_experts, topk_softmax
-from agentx.kernels.ref.ops import apply_rotary, rms_norm, rms_norm_gated, silu_and_mul
+from agentx.kernels.ref.ops import (
+    apply_rotary,
+    gelu_tanh_and_mul,
+    rms_norm,
+    rms_norm_gated,
+    silu_and_mul,
+)
 
 __all__ = [
     "apply_rotary",
@@ -16,6 +22,7 @@ __all__ = [
     "conv_window",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
+    "gelu_tanh_and_mul",
     "moe_experts",
     "paged_attention",
     "rms_norm",

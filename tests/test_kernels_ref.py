@@ -88,7 +88,7 @@ def test_write_kv_places_tokens_in_their_slots():
     assert cache[0].abs().sum() == 0
 
 
-def test_rms_norm_silu_and_rotary_match_formulas():
+def test_rms_norm_glu_and_rotary_match_formulas():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(15, 100, generator=gen)
     w = torch.randn(100, generator=gen)
@@ -97,6 +97,9 @@ def test_rms_norm_silu_and_rotary_match_formulas():
     gate_up = torch.randn(15, 2 * 100, generator=gen)
     g, u = gate_up[:, :100], gate_up[:, 100:]
     torch.testing.assert_close(ref.silu_and_mul(gate_up), g * torch.sigmoid(g) * u)
+    c = math.sqrt(2 / math.pi)
+    gelu_tanh = 0.5 * g * (1 + torch.tanh(c * (g + 0.044715 * g**3)))
+    torch.testing.assert_close(ref.gelu_tanh_and_mul(gate_up), gelu_tanh * u)
     # rotary as a complex rotation of (x_i, x_{i+D/2}) pairs by angle pos * theta^(-2i/D)
     d, positions = 64, torch.tensor([0, 1, 7, 300])
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).double() / d)

@@ -59,6 +59,7 @@ def load_hf_folder(path: str | os.PathLike[str], dtype: torch.dtype = torch.floa
         tie_word_embeddings=spec.tie_word_embeddings or "lm_head.weight" not in weights,
         bos_token_id=bos,
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+        add_bos_token=tokenizer.add_bos,
     )
     return Checkpoint(spec=spec, weights=weights, tokenizer=tokenizer, path=folder)
 

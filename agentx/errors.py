@@ -12,14 +12,16 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     ├── RequestAbortedError    the request was aborted (by the caller or by cancellation)
     ├── EngineClosedError      a request arrived after the engine was closed
     ├── EngineDeadError        the engine loop crashed; every waiting request fails with this
+    ├── TraceError             a benchmark trace file is invalid (names the file, the record and
+    │                          the field; also a ValueError)
     └── SessionError           misuse of a Session
         ├── SessionClosedError     the session (or its parent) was closed
         ├── TurnInProgressError    a second turn while one is open on the same session
         └── UnknownToolCallError   a tool result for a call id the model did not make (also
                                    an InvalidRequestError)
 
-``InvalidRequestError`` and ``ConfigError`` are also ``ValueError`` so that code that already
-catches ``ValueError`` for bad input keeps working.
+``InvalidRequestError``, ``ConfigError`` and ``TraceError`` are also ``ValueError`` so that code
+that already catches ``ValueError`` for bad input keeps working.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "SamplingParamsError",
     "SessionClosedError",
     "SessionError",
+    "TraceError",
     "TurnInProgressError",
     "UnknownToolCallError",
 ]
@@ -83,6 +86,11 @@ class EngineDeadError(AgentXError):
 
     ``__cause__`` holds the original exception.
     """
+
+
+class TraceError(AgentXError, ValueError):
+    """A benchmark trace file cannot be read: the message names the file, the record and the
+    field (``trace.json: requests[3].hash_ids: expected a list of ints``)."""
 
 
 class SessionError(AgentXError):

@@ -49,7 +49,9 @@ class Where:
             raise self.fail(key, f"expected an integer >= {minimum}, got {value}")
         return value
 
-    def get_float(self, key: str, default: Any = _MISSING, *, optional: bool = False) -> float | None:
+    def get_float(
+        self, key: str, default: Any = _MISSING, *, optional: bool = False
+    ) -> float | None:
         value = self._get(key, default)
         if value is None and optional:
             return None

@@ -45,4 +45,3 @@ def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Tr
     if not sessions:
         raise TraceError(f"{path}: no requests in the file")
     return Trace(path.stem, block_size, tuple(sessions), "mooncake")
-

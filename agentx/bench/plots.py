@@ -26,8 +26,10 @@ def plot_all(results: Results, out_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics = results.metrics
     engines = list(dict.fromkeys(m.engine for m in metrics))
-    by_engine = {e: sorted((m for m in metrics if m.engine == e), key=lambda m: m.concurrency)
-                 for e in engines}
+    by_engine = {
+        e: sorted((m for m in metrics if m.engine == e), key=lambda m: m.concurrency)
+        for e in engines
+    }
     paths = []
 
     def save(fig, name: str) -> None:
@@ -47,8 +49,11 @@ def plot_all(results: Results, out_dir: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     for e, ms in by_engine.items():
         ax.plot([m.tpgs for m in ms], [m.interactivity_p50 or 0 for m in ms], marker="o", label=e)
-    ax.set(xlabel="TPGS (tokens/s/device)", ylabel="interactivity P50 (tok/s/request)",
-           title="interactivity vs throughput")
+    ax.set(
+        xlabel="TPGS (tokens/s/device)",
+        ylabel="interactivity P50 (tok/s/request)",
+        title="interactivity vs throughput",
+    )
     ax.legend()
     save(fig, "interactivity_vs_tpgs.png")
 
@@ -65,10 +70,12 @@ def plot_all(results: Results, out_dir: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     labels = [f"{m.engine}\nc={m.concurrency}" for m in metrics]
     xs = range(len(metrics))
-    ax.bar([x - 0.2 for x in xs], [m.achieved_hit_rate or 0 for m in metrics], 0.4,
-           label="achieved")
-    ax.bar([x + 0.2 for x in xs], [m.theoretical_hit_rate for m in metrics], 0.4,
-           label="theoretical")
+    ax.bar(
+        [x - 0.2 for x in xs], [m.achieved_hit_rate or 0 for m in metrics], 0.4, label="achieved"
+    )
+    ax.bar(
+        [x + 0.2 for x in xs], [m.theoretical_hit_rate for m in metrics], 0.4, label="theoretical"
+    )
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set(ylabel="prefix hit rate", ylim=(0, 1), title="prefix cache hit rate")
     ax.legend()

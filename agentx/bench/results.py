@@ -101,14 +101,18 @@ class Results:
         engines = list(dict.fromkeys(m.engine for m in metrics))
         ref = {m.concurrency: m.tpgs for m in metrics if m.engine == reference}
         ratios = {
-            e: {str(m.concurrency): m.tpgs / ref[m.concurrency] for m in metrics
-                if m.engine == e and ref.get(m.concurrency)}
+            e: {
+                str(m.concurrency): m.tpgs / ref[m.concurrency]
+                for m in metrics
+                if m.engine == e and ref.get(m.concurrency)
+            }
             for e in engines
         }
         return {
             "interactivity_floor": floor,
-            "tpgs_at_floor": {e: tpgs_at_floor([m for m in metrics if m.engine == e], floor)
-                              for e in engines},
+            "tpgs_at_floor": {
+                e: tpgs_at_floor([m for m in metrics if m.engine == e], floor) for e in engines
+            },
             "ratios_vs": reference,
             "ratios": ratios,
         }

@@ -111,7 +111,9 @@ class _SessionBuilder:
 
     def request(self, ctx: _Context, first: bool) -> TraceRequest | None:
         c = self.c
-        out = max(c.min_output_tokens, c.tokens(self.lognormal(c.median_output_tokens, c.output_sigma)))
+        out = max(
+            c.min_output_tokens, c.tokens(self.lognormal(c.median_output_tokens, c.output_sigma))
+        )
         out = min(out, c.tokens(8 * c.median_output_tokens))
         if ctx.num_tokens + out > c.max_context_tokens:
             return None
@@ -164,7 +166,9 @@ class _SessionBuilder:
             steps = self.agent(sub_ctx, turns, spawn_at=None)
             if steps:
                 duration = round((self.clock - start) * 1000, 1)
-                group.append(Subagent(round(start, 3), f"agent-{j}", tuple(steps), "task", duration))
+                group.append(
+                    Subagent(round(start, 3), f"agent-{j}", tuple(steps), "task", duration)
+                )
             end = max(end, self.clock)
         self.clock = end
         return group

@@ -1,7 +1,9 @@
 """Typed field access for trace records: every failure names the file, the record and the field.
 
-A :class:`Where` is the location of one JSON object (``trace.jsonl: line 4: requests[2]``);
-its getters return the typed value or raise :class:`TraceError` with that location.
+A :class:`Where` is the location of one JSON object: the file, the record in it (``line 4``,
+``session 2``, or nothing for a one-record file) and the path inside the record
+(``requests[2].requests[0]``). Its getters return the typed value or raise :class:`TraceError`
+with that location: ``trace.jsonl: line 4: requests[2]: field 'in': missing``.
 """
 
 from __future__ import annotations
@@ -18,20 +20,26 @@ _MISSING = object()
 @dataclass(frozen=True, slots=True)
 class Where:
     file: str
-    record: str  # "line 4", "session 0", "requests[2].requests[0]"
+    record: str  # "line 4", "session 0", or "" when the file holds one record
     obj: dict[str, Any]
+    path: str = ""  # "requests[2].requests[0]"; "" for the record itself
 
     @classmethod
-    def of(cls, file: str, record: str, obj: Any) -> Where:
+    def of(cls, file: str, record: str, obj: Any, path: str = "") -> Where:
+        where = cls(file, record, {}, path)
         if not isinstance(obj, dict):
-            raise TraceError(f"{file}: {record}: expected a JSON object, got {_kind(obj)}")
-        return cls(file, record, obj)
+            raise TraceError(f"{where.location}: expected a JSON object, got {_kind(obj)}")
+        return cls(file, record, obj, path)
 
-    def child(self, record: str, obj: Any) -> Where:
-        return Where.of(self.file, f"{self.record}.{record}" if self.record else record, obj)
+    @property
+    def location(self) -> str:
+        return ": ".join(part for part in (self.file, self.record, self.path) if part)
+
+    def child(self, name: str, obj: Any) -> Where:
+        return Where.of(self.file, self.record, obj, f"{self.path}.{name}" if self.path else name)
 
     def fail(self, key: str, message: str) -> TraceError:
-        return TraceError(f"{self.file}: {self.record}: field {key!r}: {message}")
+        return TraceError(f"{self.location}: field {key!r}: {message}")
 
     def _get(self, key: str, default: Any) -> Any:
         value = self.obj.get(key, default)

@@ -42,8 +42,8 @@ class SynthConfig:
     turns_sigma: float = 0.6
     median_output_tokens: float = 444.0
     output_sigma: float = 0.8
-    median_tool_result_tokens: float = 1_200.0
-    tool_result_sigma: float = 1.0
+    median_tool_result_tokens: float = 1_000.0
+    tool_result_sigma: float = 0.8
     subagent_session_fraction: float = 0.44
     median_subagents: float = 4.0
     subagents_sigma: float = 0.5

@@ -16,7 +16,7 @@ import sys
 import threading
 
 from agentx.bench import protocol
-from agentx.bench.adapter import Done, GenerateRequest, Tokens
+from agentx.bench.adapter import Done, EngineAdapter, GenerateRequest, Tokens
 from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
 
 
@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class _Worker:
-    def __init__(self, engine: AgentxEngine, out) -> None:
+    def __init__(self, engine: EngineAdapter, out) -> None:
         self.engine, self.out = engine, out
         self.tasks: set[asyncio.Task] = set()
 
@@ -83,16 +83,8 @@ def _read_stdin(loop: asyncio.AbstractEventLoop, lines: asyncio.Queue) -> None:
     loop.call_soon_threadsafe(lines.put_nowait, None)
 
 
-async def _main(args: argparse.Namespace, out) -> None:
-    model = None if args.model in (None, "", "default") else args.model
-    options = AgentxOptions(
-        model=model,
-        threads=args.threads,
-        dtype=args.dtype,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        max_num_seqs=args.max_num_seqs,
-    )
-    engine = AgentxEngine(options)
+async def serve(engine: EngineAdapter, out) -> None:
+    """Start ``engine``, say ``ready`` on ``out`` and serve stdin until shutdown or EOF."""
     worker = _Worker(engine, out)
     try:
         info = await engine.start()
@@ -108,12 +100,26 @@ async def _main(args: argparse.Namespace, out) -> None:
         await engine.close()
 
 
+def protocol_stdout():
+    """The real stdout for protocol lines; fd 1 (print, C libraries) goes to stderr after."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # from here on, fd 1 (print, C libraries) is stderr
-    sys.stdout = sys.stderr
-    asyncio.run(_main(args, out))
+    out = protocol_stdout()
+    model = None if args.model in (None, "", "default") else args.model
+    options = AgentxOptions(
+        model=model,
+        threads=args.threads,
+        dtype=args.dtype,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+        max_num_seqs=args.max_num_seqs,
+    )
+    asyncio.run(serve(AgentxEngine(options), out))
 
 
 if __name__ == "__main__":

@@ -96,9 +96,13 @@ class Results:
     def metrics(self) -> list[RunMetrics]:
         return [run_metrics(r) for r in self.runs]
 
-    def summary(self, floor: float, reference: str = "agentx") -> dict:
+    def summary(self, floor: float) -> dict:
+        """TPGS at the floor per engine, and TPGS ratios against the reference engine: the
+        first engine whose name starts with "agentx", else the first engine."""
         metrics = self.metrics
         engines = list(dict.fromkeys(m.engine for m in metrics))
+        agentx = [e for e in engines if e.startswith("agentx")]
+        reference = (agentx or engines or ["agentx"])[0]
         ref = {m.concurrency: m.tpgs for m in metrics if m.engine == reference}
         ratios = {
             e: {

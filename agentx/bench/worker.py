@@ -78,9 +78,12 @@ class _Worker:
 
 
 def _read_stdin(loop: asyncio.AbstractEventLoop, lines: asyncio.Queue) -> None:
-    for line in sys.stdin.buffer:
-        loop.call_soon_threadsafe(lines.put_nowait, line)
-    loop.call_soon_threadsafe(lines.put_nowait, None)
+    try:
+        for line in sys.stdin.buffer:
+            loop.call_soon_threadsafe(lines.put_nowait, line)
+        loop.call_soon_threadsafe(lines.put_nowait, None)
+    except RuntimeError:
+        pass  # the loop is closed: the worker is exiting
 
 
 async def serve(engine: EngineAdapter, out) -> None:

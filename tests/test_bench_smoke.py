@@ -28,12 +28,13 @@ def test_replay_on_agentx_in_process():
         info = await engine.start()
         try:
             replay = Replay(trace, engine, ReplayConfig(concurrency=2, max_think=0, progress=False))
-            return await replay.run(info)
+            return await replay.run(info), await engine.final_stats()
         finally:
             await engine.close()
 
-    result = asyncio.run(go())
+    result, stats_after = asyncio.run(go())
     assert result.engine.engine == "agentx" and not result.interrupted
+    assert stats_after["prefix_cache_hit_tokens"] == stats.theoretical_hit_tokens
     expected = {r.num_output_tokens for _, r in trace.iter_requests()}
     assert all(r.ok for r in result.records) and len(result.records) == 12
     assert {r.num_output_tokens for r in result.records} == expected

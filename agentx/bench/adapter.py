@@ -56,6 +56,7 @@ class EngineAdapter(ABC):
       iteration aborts the request. Failures raise :class:`BenchEngineError`.
     - ``end_session`` tells the engine a session will send nothing more (it may free its cache);
       it must not fail for unknown sessions.
+    - ``final_stats`` (optional) reports the engine's own counters after the run.
     - ``close`` releases everything; idempotent; safe after a failed ``start``.
     """
 
@@ -69,6 +70,11 @@ class EngineAdapter(ABC):
 
     async def end_session(self, session_id: str) -> None:  # noqa: B027 - optional hook
         """Default: nothing to free."""
+
+    async def final_stats(self) -> dict | None:
+        """The engine's own counters after a run (prefix-cache hits, preemptions, ...), when it
+        exposes them; called once before ``close``. Default: None."""
+        return None
 
     @abstractmethod
     async def close(self) -> None: ...

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from agentx.bench.adapter import (
     BenchEngineError,
@@ -93,5 +93,8 @@ class AgentxEngine(EngineAdapter):
             self.engine.close()
             self.engine = None
 
-    def stats(self):
-        return None if self.engine is None else self.engine.stats()
+    async def final_stats(self) -> dict | None:
+        if self.engine is None:
+            return None
+        stats = self.engine.stats()
+        return {**asdict(stats), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}

@@ -57,6 +57,7 @@ class RunResult:
     interrupted: bool = False
     num_devices: int = 1
     num_requests_planned: int = 0
+    engine_stats: dict | None = None  # the engine's own counters at the end, when it has them
 
     def to_json(self, with_records: bool = True) -> dict:
         out = {
@@ -66,6 +67,7 @@ class RunResult:
             "interrupted": self.interrupted,
             "num_devices": self.num_devices,
             "num_requests_planned": self.num_requests_planned,
+            "engine_stats": self.engine_stats,
         }
         if with_records:
             out["records"] = [r.to_json() for r in self.records]
@@ -81,4 +83,5 @@ class RunResult:
             interrupted=obj.get("interrupted", False),
             num_devices=obj.get("num_devices", 1),
             num_requests_planned=obj.get("num_requests_planned", 0),
+            engine_stats=obj.get("engine_stats"),
         )

@@ -13,7 +13,7 @@ import asyncio
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from agentx.bench.adapter import EngineAdapter
 from agentx.bench.prompts import PromptBuilder
@@ -49,7 +49,8 @@ async def run_point(
     try:
         info = await adapter.start()
         _on_sigint(loop, replay.stop)
-        return await replay.run(info)
+        result = await replay.run(info)
+        return replace(result, engine_stats=await adapter.final_stats())
     finally:
         _on_sigint(loop, None)
         await adapter.close()
@@ -91,7 +92,5 @@ def run_sweep(
 
 def _named(result: RunResult, name: str) -> RunResult:
     """Label the run with the spec name (two specs may run the same engine)."""
-    from dataclasses import replace
-
     engine = replace(result.engine, config={**result.engine.config, "engine": result.engine.engine})
     return replace(result, engine=replace(engine, engine=name))

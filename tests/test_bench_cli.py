@@ -79,3 +79,30 @@ def test_console_script_and_bad_engine(tmp_path, capsys):
     assert main(["bench", "synth", "-o", str(trace), "--sessions", "1", "--scale", "0.01"]) == 0
     with pytest.raises(ValueError, match="unknown engine 'nosuch'"):
         bench_main(["run", str(trace), "--engine", "nosuch", "--out", str(tmp_path / "o")])
+
+
+def test_peer_engine_resolution(tmp_path, monkeypatch):
+    from agentx.bench.engines import EngineSettings, _worker_argv
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGENTX_PEERS_DIR", str(tmp_path / "peers"))
+    (tmp_path / "benchmarks" / "peers").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "peers" / "worker_hf.py").write_text("")
+    settings = EngineSettings("/m.gguf", 2)
+    # no peer venv, no converted model: this Python and the shared model
+    assert _worker_argv("hf", "", settings) == [
+        sys.executable, "benchmarks/peers/worker_hf.py", "--model", "/m.gguf", "--threads", "2",
+    ]  # fmt: skip
+    (tmp_path / "peers" / "hf" / "bin").mkdir(parents=True)
+    (tmp_path / "peers" / "hf" / "bin" / "python").write_text("")
+    (tmp_path / "peers" / "models" / "SmolLM2-135M-Instruct.Q4_1-hf").mkdir(parents=True)
+    assert _worker_argv("hf", "", settings)[::3] == [
+        str(tmp_path / "peers" / "hf" / "bin" / "python"),
+        str(tmp_path / "peers" / "models" / "SmolLM2-135M-Instruct.Q4_1-hf"),
+    ]
+    mine = EngineSettings("/m.gguf", 2, peer_models={"hf": "/hf"}, default_model=False)
+    assert _worker_argv("hf", "", mine)[3] == "/hf"
+    assert _worker_argv("x", "w.py --model /own --fast", mine) == [
+        sys.executable, "w.py", "--model", "/own", "--fast", "--threads", "2",
+    ]  # fmt: skip
+    assert _worker_argv("agentx", "", mine)[1:3] == ["-m", "agentx.bench.worker"]

@@ -48,6 +48,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="8", help="comma-separated sweep, e.g. 2,8")
     p.add_argument("--max-think", type=float, default=5.0, help="cap on think time, seconds")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2-135M)")
+    p.add_argument(
+        "--peer-model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a peer engine's own model file (repeatable)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--dtype", default="float32")
@@ -138,7 +145,10 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
     stats = print_stats(trace)
     needs_model = any(eng.engine_name(s) != "fake" for s in specs)
     model = eng.resolve_model(args.model) if needs_model else (args.model or "")
-    settings = eng.EngineSettings(model, args.threads, args.kv_cache_gib, args.dtype)
+    peer_models = dict(item.split("=", 1) for item in args.peer_model)
+    settings = eng.EngineSettings(
+        model, args.threads, args.kv_cache_gib, args.dtype, peer_models, args.model is None
+    )
     factories = {eng.engine_name(s): eng.make_engine(s, settings) for s in specs}
     space = eng.token_space_for_model(model) if needs_model else TokenSpace.default()
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]

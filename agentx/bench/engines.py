@@ -5,10 +5,14 @@ becomes an :class:`EngineAdapter`.
                     ``compare`` measures agentx, the same way as every peer
     agentx-inproc   the agentx engine in this process (no IPC; the default of ``run``)
     fake            the deterministic fake engine (tests, dry runs)
-    NAME            a peer worker ``benchmarks/peers/NAME_worker.py`` (run with this Python)
+    NAME            a peer worker ``benchmarks/peers/worker_NAME.py``, run with the peer's
+                    venv ``$AGENTX_PEERS_DIR/NAME/bin/python`` (this Python if there is none)
     NAME=COMMAND    any worker command line; a leading ``*.py`` runs with this Python
 
-Worker commands get ``--model PATH --threads N`` appended (the protocol's fixed flags).
+Worker commands get ``--model PATH --threads N`` appended (the protocol's fixed flags) unless
+the command already has them. A peer's model is ``--peer-model NAME=PATH`` when given; with the
+default model, the copy ``benchmarks/peers`` converts for it (``$AGENTX_PEERS_DIR/models``: the
+f32 GGUF for llamacpp, the HF folder for the others) when it exists; else the shared ``--model``.
 """
 
 from __future__ import annotations
@@ -16,23 +20,38 @@ from __future__ import annotations
 import shlex
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentx import env
 from agentx.bench.adapter import EngineAdapter
 from agentx.bench.prompts import TokenSpace
 
-PEERS_DIR = Path("benchmarks") / "peers"
+PEERS_DIR = Path("benchmarks") / "peers"  # relative to the repository root (the cwd)
+PEER_HF_FOLDER = "SmolLM2-135M-Instruct.Q4_1-hf"
+PEER_GGUF = "SmolLM2-135M-Instruct.f32.gguf"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     """What every engine of one benchmark shares."""
 
-    model: str  # a path every engine can load
+    model: str  # the model file (agentx, and peers without a model of their own)
     threads: int
     kv_cache_gib: float = 2.0
     dtype: str = "float32"
+    peer_models: dict[str, str] = field(default_factory=dict)  # engine name -> its model path
+    default_model: bool = True  # ``model`` is agentx's embedded default
+
+    def model_for(self, name: str) -> str:
+        if name in self.peer_models:
+            return self.peer_models[name]
+        if self.default_model and name not in ("agentx", "agentx-inproc"):
+            models = env.peers_dir() / "models"
+            converted = models / (PEER_GGUF if name == "llamacpp" else PEER_HF_FOLDER)
+            if converted.exists():
+                return str(converted)
+        return self.model
 
 
 def resolve_model(model: str | None) -> str:
@@ -87,21 +106,19 @@ def _worker_argv(name: str, command: str, settings: EngineSettings) -> list[str]
         if argv[0].endswith(".py"):
             argv.insert(0, sys.executable)
     elif name == "agentx":
-        argv = [
-            sys.executable,
-            "-m",
-            "agentx.bench.worker",
-            "--dtype",
-            settings.dtype,
-            "--kv-cache-gib",
-            str(settings.kv_cache_gib),
-        ]
+        argv = [sys.executable, "-m", "agentx.bench.worker", "--dtype", settings.dtype,
+                "--kv-cache-gib", str(settings.kv_cache_gib)]  # fmt: skip
     else:
-        script = PEERS_DIR / f"{name}_worker.py"
+        script = PEERS_DIR / f"worker_{name}.py"
         if not script.is_file():
             raise ValueError(
                 f"unknown engine {name!r}: not agentx, agentx-inproc or fake, and no {script}; "
                 "give a worker command as NAME=COMMAND"
             )
-        argv = [sys.executable, str(script)]
-    return [*argv, "--model", settings.model, "--threads", str(settings.threads)]
+        python = env.peers_dir() / name / "bin" / "python"
+        argv = [str(python) if python.exists() else sys.executable, str(script)]
+    if "--model" not in argv:
+        argv += ["--model", settings.model_for(name)]
+    if "--threads" not in argv:
+        argv += ["--threads", str(settings.threads)]
+    return argv

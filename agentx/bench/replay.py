@@ -23,6 +23,7 @@ from agentx.bench.prompts import PromptBuilder
 from agentx.bench.records import RequestRecord, RunResult
 from agentx.bench.trace import SessionTrace, Step, Subagent, Trace, TraceRequest, group_steps
 from agentx.bench.trace_stats import HitCounter
+from agentx.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +34,9 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         if self.concurrency <= 0:
-            raise ValueError(f"concurrency must be positive, got {self.concurrency}")
+            raise ConfigError(f"concurrency must be positive, got {self.concurrency}")
         if self.max_think < 0:
-            raise ValueError(f"max_think must be >= 0, got {self.max_think}")
+            raise ConfigError(f"max_think must be >= 0, got {self.max_think}")
 
 
 class Replay:

@@ -18,7 +18,14 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from agentx.bench.adapter import Done, EngineAdapter, EngineInfo, GenerateRequest, Tokens
+from agentx.bench.adapter import (
+    BenchEngineError,
+    Done,
+    EngineAdapter,
+    EngineInfo,
+    GenerateRequest,
+    Tokens,
+)
 from agentx.bench.prompts import PromptBuilder
 from agentx.bench.records import RequestRecord, RunResult
 from agentx.bench.trace import SessionTrace, Step, Subagent, Trace, TraceRequest, group_steps
@@ -102,7 +109,10 @@ class Replay:
             try:
                 await self._run_agent(session, session.session_id, session.steps)
                 for agent_id in _agent_ids(session):
-                    await self.adapter.end_session(agent_id)
+                    try:
+                        await self.adapter.end_session(agent_id)
+                    except BenchEngineError:
+                        pass  # a dead engine already failed (and recorded) its requests
             finally:
                 slots.release()
 

@@ -105,4 +105,7 @@ def test_peer_engine_resolution(tmp_path, monkeypatch):
     assert _worker_argv("x", "w.py --model /own --fast", mine) == [
         sys.executable, "w.py", "--model", "/own", "--fast", "--threads", "2",
     ]  # fmt: skip
-    assert _worker_argv("agentx", "", mine)[1:3] == ["-m", "agentx.bench.worker"]
+    assert _worker_argv("agentx", "", mine)[1:] == [
+        "-m", "agentx.bench.worker", "--dtype", "float32", "--kv-cache-gib", "2.0",
+        "--max-num-batched-tokens", "2048", "--model", "/m.gguf", "--threads", "2",
+    ]  # fmt: skip

@@ -59,6 +59,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--dtype", default="float32")
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="agentx's token budget per step, i.e. its prefill chunk (default 2048)",
+    )
+    p.add_argument(
         "--floor",
         type=float,
         default=5.0,
@@ -147,7 +153,13 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
     model = eng.resolve_model(args.model) if needs_model else (args.model or "")
     peer_models = dict(item.split("=", 1) for item in args.peer_model)
     settings = eng.EngineSettings(
-        model, args.threads, args.kv_cache_gib, args.dtype, peer_models, args.model is None
+        model,
+        args.threads,
+        args.kv_cache_gib,
+        args.dtype,
+        args.max_num_batched_tokens,
+        peer_models,
+        args.model is None,
     )
     factories = {eng.engine_name(s): eng.make_engine(s, settings) for s in specs}
     space = eng.token_space_for_model(model) if needs_model else TokenSpace.default()

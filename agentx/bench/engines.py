@@ -40,6 +40,7 @@ class EngineSettings:
     threads: int
     kv_cache_gib: float = 2.0
     dtype: str = "float32"
+    max_num_batched_tokens: int = 2048  # agentx's step token budget (its prefill chunk)
     peer_models: dict[str, str] = field(default_factory=dict)  # engine name -> its model path
     default_model: bool = True  # ``model`` is agentx's embedded default
 
@@ -92,6 +93,7 @@ def make_engine(spec: str, settings: EngineSettings) -> Callable[[], EngineAdapt
             threads=settings.threads,
             dtype=settings.dtype,
             kv_cache_bytes=int(settings.kv_cache_gib * (1 << 30)),
+            max_num_batched_tokens=settings.max_num_batched_tokens,
         )
         return lambda: AgentxEngine(options)
     argv = _worker_argv(name, command, settings)
@@ -107,7 +109,8 @@ def _worker_argv(name: str, command: str, settings: EngineSettings) -> list[str]
             argv.insert(0, sys.executable)
     elif name == "agentx":
         argv = [sys.executable, "-m", "agentx.bench.worker", "--dtype", settings.dtype,
-                "--kv-cache-gib", str(settings.kv_cache_gib)]  # fmt: skip
+                "--kv-cache-gib", str(settings.kv_cache_gib),
+                "--max-num-batched-tokens", str(settings.max_num_batched_tokens)]  # fmt: skip
     else:
         script = PEERS_DIR / f"worker_{name}.py"
         if not script.is_file():

@@ -31,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     return p.parse_args(argv)
 
 
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     asyncio.run(serve(AgentxEngine(options), out))
 

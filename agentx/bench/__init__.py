@@ -9,6 +9,7 @@
     adapter.py                      EngineAdapter (the ABC the replay drives) and its records
     fake_engine.py, agentx_engine.py, worker_engine.py   fake, in-process agentx, subprocess
     protocol.py, worker.py          the worker protocol; the agentx worker
+    fake_worker.py                  the fake engine as a worker (tests drivers without a model)
     engines.py                      engine specs -> adapters
     replay.py, sweep.py             one replay; engines x concurrencies
     records.py, metrics.py          what was measured; TPGS, TTFT, interactivity, hit rates

@@ -30,6 +30,7 @@ from agentx.errors import (
     SamplingParamsError,
     SessionClosedError,
     SessionError,
+    TraceError,
     TurnInProgressError,
     UnknownToolCallError,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "ToolCallEvent",
     "ToolLatency",
     "ToolMessage",
+    "TraceError",
     "Turn",
     "TurnDone",
     "TurnEvent",

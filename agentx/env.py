@@ -8,6 +8,8 @@ Variables:
     AGENTX_CACHE_DIR   root folder for files agentx derives and keeps between runs (built
                        tokenizers, ...); default ``~/.cache/agentx``.
     AGENTX_KERNELS     kernel backend: ``auto`` (default), ``ref`` or ``triton``.
+    AGENTX_PEERS_DIR   peer engines' venvs and converted models (``benchmarks/peers``), used by
+                       ``agentx bench``; default ``~/.cache/agentx/peers``.
 
 One variable is set rather than read: ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` when agentx is
 imported before torch (see :func:`apply_cpu_defaults`).
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from agentx.errors import ConfigError
 
-__all__ = ["apply_cpu_defaults", "cache_dir", "kernel_backend"]
+__all__ = ["apply_cpu_defaults", "cache_dir", "kernel_backend", "peers_dir"]
 
 _KERNEL_BACKENDS = ("auto", "ref", "triton")
 
@@ -34,6 +36,14 @@ def cache_dir() -> Path:
     if value:
         return Path(value).expanduser()
     return Path.home() / ".cache" / "agentx"
+
+
+def peers_dir() -> Path:
+    """``$AGENTX_PEERS_DIR`` if set and not empty, else ``~/.cache/agentx/peers``."""
+    value = os.environ.get("AGENTX_PEERS_DIR", "").strip()
+    if value:
+        return Path(value).expanduser()
+    return Path.home() / ".cache" / "agentx" / "peers"
 
 
 def kernel_backend() -> str:

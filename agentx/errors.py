@@ -14,14 +14,16 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     ├── EngineDeadError        the engine loop crashed; every waiting request fails with this
     ├── OffloadError           an offload tier cannot start (mooncake_master missing, not ready,
     │                          or asked to start outside a private network namespace)
+    ├── TraceError             a benchmark trace file is invalid (names the file, the record and
+    │                          the field; also a ValueError)
     └── SessionError           misuse of a Session
         ├── SessionClosedError     the session (or its parent) was closed
         ├── TurnInProgressError    a second turn while one is open on the same session
         └── UnknownToolCallError   a tool result for a call id the model did not make (also
                                    an InvalidRequestError)
 
-``InvalidRequestError`` and ``ConfigError`` are also ``ValueError`` so that code that already
-catches ``ValueError`` for bad input keeps working.
+``InvalidRequestError``, ``ConfigError`` and ``TraceError`` are also ``ValueError`` so that code
+that already catches ``ValueError`` for bad input keeps working.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "SamplingParamsError",
     "SessionClosedError",
     "SessionError",
+    "TraceError",
     "TurnInProgressError",
     "UnknownToolCallError",
 ]
@@ -86,6 +89,11 @@ class EngineDeadError(AgentXError):
 
     ``__cause__`` holds the original exception.
     """
+
+
+class TraceError(AgentXError, ValueError):
+    """A benchmark trace file cannot be read: the message names the file, the record and the
+    field (``trace.json: requests[3].hash_ids: expected a list of ints``)."""
 
 
 class SessionError(AgentXError):

@@ -1,0 +1,20 @@
+"""agentx.bench: AgentX-style trace benchmarks for agentx and peer engines.
+
+    trace.py, trace_stats.py        the typed trace model; theoretical prefix hit rate
+    fields.py                       typed field access that names file / record / field on error
+    format_agentx.py                the SemiAnalysis AgentX ("weka") JSON format, read and write
+    format_mooncake.py, loader.py   the Mooncake FAST'25 JSONL format; load either
+    synth.py                        synthetic traces with the published statistics, --scale
+    prompts.py                      hash ids -> deterministic token blocks
+    adapter.py                      EngineAdapter (the ABC the replay drives) and its records
+    fake_engine.py, agentx_engine.py, worker_engine.py   fake, in-process agentx, subprocess
+    protocol.py, worker.py          the worker protocol; the agentx worker
+    fake_worker.py                  the fake engine as a worker (tests drivers without a model)
+    engines.py                      engine specs -> adapters
+    replay.py, sweep.py             one replay; engines x concurrencies
+    records.py, metrics.py          what was measured; TPGS, TTFT, interactivity, hit rates
+    results.py, report.py, plots.py JSON results, Markdown, PNG plots
+    cli.py                          ``agentx bench`` / ``python -m agentx.bench``
+
+Nothing in ``agentx`` imports this package; it imports the engine like any user would.
+"""

@@ -1,0 +1,100 @@
+"""The agentx engine in-process, behind :class:`EngineAdapter` (and used by the agentx worker).
+
+Every request is greedy with EOS ignored; ``num_cached`` is the engine's own count of prompt
+tokens served from its prefix cache. Sessions need no explicit end: the prefix cache keeps
+what is worth keeping and evicts in LRU order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+from agentx.bench.adapter import (
+    BenchEngineError,
+    Done,
+    EngineAdapter,
+    EngineInfo,
+    GenerateRequest,
+    Tokens,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentxOptions:
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    threads: int | None = None
+    dtype: str = "float32"
+    kv_cache_bytes: int = 2 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def engine_config(self):
+        from agentx import CacheConfig, EngineConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            num_threads=self.threads,
+            cache=CacheConfig(kv_cache_bytes=self.kv_cache_bytes),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            ),
+        )
+
+    def describe(self) -> dict:
+        return {
+            "model": self.model or "default (SmolLM2-135M-Instruct)",
+            "threads": self.threads or os.cpu_count(),
+            "dtype": self.dtype,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+
+
+class AgentxEngine(EngineAdapter):
+    name = "agentx"
+
+    def __init__(self, options: AgentxOptions | None = None) -> None:
+        self.options = options or AgentxOptions()
+        self.engine = None
+
+    async def start(self) -> EngineInfo:
+        import anyio
+
+        from agentx import Engine, __version__
+
+        self.engine = await anyio.to_thread.run_sync(Engine, self.options.engine_config())
+        config = {**self.options.describe(), "max_model_len": self.engine.max_model_len}
+        return EngineInfo("agentx", __version__, config)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Done]:
+        from agentx import AgentXError, SamplingParams
+
+        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        num_output = 0
+        try:
+            async for out in self.engine.stream(
+                request.prompt, sampling, request_id=request.request_id
+            ):
+                if out.new_token_ids:
+                    num_output += len(out.new_token_ids)
+                    yield Tokens(len(out.new_token_ids))
+                if out.finished:
+                    yield Done(num_output, out.num_cached_tokens)
+        except AgentXError as exc:
+            raise BenchEngineError(str(exc)) from exc
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    async def final_stats(self) -> dict | None:
+        if self.engine is None:
+            return None
+        stats = self.engine.stats()
+        return {**asdict(stats), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}

@@ -1,0 +1,247 @@
+"""``agentx bench`` / ``python -m agentx.bench``: synth, run, compare, plot.
+
+    agentx bench synth -o trace.jsonl [--sessions 8 --scale 0.05 --max-context 8192 --seed 0]
+    agentx bench run [TRACE] [--engine agentx-inproc] [--concurrency 2,8] [--out DIR]
+    agentx bench compare [TRACE] --engines agentx,vllm [--concurrency 2,8] [--out DIR]
+    agentx bench plot DIR/results.json [--out DIR]
+
+Without TRACE, ``run`` and ``compare`` synthesize the default scaled trace. Results go to
+``DIR/results.json`` (rewritten after every point), ``DIR/results.md`` and ``DIR/*.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from agentx.bench.trace import Trace
+
+DEFAULT_SCALE = 0.05
+DEFAULT_MAX_CONTEXT = 8192
+
+
+def _add_synth_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sessions", type=int, default=8, help="session trees (default 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=DEFAULT_SCALE,
+        help="token counts x SCALE, turns x sqrt(SCALE); 1 = published sizes "
+        f"(default {DEFAULT_SCALE}: fits SmolLM2's 8K context on a CPU)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=DEFAULT_MAX_CONTEXT,
+        help="an agent stops before a turn that would not fit (default 8192)",
+    )
+    p.add_argument("--block-size", type=int, default=64)
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", nargs="?", help="trace file (.json/.jsonl); default: synthesize one")
+    _add_synth_args(p)
+    p.add_argument("--concurrency", default="8", help="comma-separated sweep, e.g. 2,8")
+    p.add_argument("--max-think", type=float, default=5.0, help="cap on think time, seconds")
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2-135M)")
+    p.add_argument(
+        "--peer-model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a peer engine's own model file (repeatable)",
+    )
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="agentx's token budget per step, i.e. its prefill chunk (default 2048)",
+    )
+    p.add_argument(
+        "--floor",
+        type=float,
+        default=5.0,
+        help="interactivity floor for TPGS-at-floor, tokens/s (default 5)",
+    )
+    p.add_argument("--out", default="bench-results", help="output folder")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="agentx bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("synth", help="write a synthetic AgentX trace")
+    s.add_argument("-o", "--output", required=True, help="trace file (.jsonl or .json)")
+    _add_synth_args(s)
+    r = sub.add_parser("run", help="replay a trace on one engine, sweeping concurrency")
+    _add_run_args(r)
+    r.add_argument("--engine", default="agentx-inproc", help="engine spec (see engines.py)")
+    c = sub.add_parser("compare", help="replay a trace on several engines")
+    _add_run_args(c)
+    c.add_argument("--engines", default="agentx", help="comma-separated engine specs")
+    pl = sub.add_parser("plot", help="re-render plots and the Markdown table from results")
+    pl.add_argument("results", help="results.json")
+    pl.add_argument("--out", default=None, help="folder (default: next to the results)")
+    pl.add_argument("--floor", type=float, default=None)
+    return p
+
+
+def synth_trace(args: argparse.Namespace) -> Trace:
+    from agentx.bench.synth import SynthConfig, synthesize
+
+    return synthesize(
+        SynthConfig(
+            num_sessions=args.sessions,
+            seed=args.seed,
+            scale=args.scale,
+            max_context_tokens=args.max_context,
+            block_size=args.block_size,
+        )
+    )
+
+
+def print_stats(trace: Trace) -> dict:
+    from agentx.bench.trace_stats import trace_stats
+
+    stats = trace_stats(trace).to_dict()
+    print(
+        f"{trace.trace_id}: {stats['num_sessions']} sessions, {stats['num_requests']} requests, "
+        f"median {stats['median_turns']:g} turns, median output {stats['median_output_tokens']:g}"
+        f" tokens, max input {stats['max_input_tokens']} tokens, "
+        f"{stats['subagent_session_fraction']:.0%} of sessions spawn subagents "
+        f"(median {stats['median_subagents']:g})\n"
+        f"theoretical prefix hit rate {stats['theoretical_hit_rate']:.2%} "
+        f"({stats['theoretical_hit_tokens']} of {stats['num_prompt_tokens']} prompt tokens in "
+        f"{trace.block_size}-token blocks seen before in the trace)",
+        file=sys.stderr,
+    )
+    return stats
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from agentx.bench.format_agentx import dump_agentx
+
+    trace = synth_trace(args)
+    dump_agentx(trace, args.output)
+    print_stats(trace)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
+    from agentx.bench import engines as eng
+    from agentx.bench.loader import load_trace
+    from agentx.bench.prompts import PromptBuilder, TokenSpace
+    from agentx.bench.results import Results, make_header
+    from agentx.bench.sweep import run_sweep
+
+    trace = load_trace(args.trace) if args.trace else synth_trace(args)
+    stats = print_stats(trace)
+    needs_model = any(eng.engine_name(s) != "fake" for s in specs)
+    model = eng.resolve_model(args.model) if needs_model else (args.model or "")
+    peer_models = dict(item.split("=", 1) for item in args.peer_model)
+    settings = eng.EngineSettings(
+        model,
+        args.threads,
+        args.kv_cache_gib,
+        args.dtype,
+        args.max_num_batched_tokens,
+        peer_models,
+        args.model is None,
+    )
+    factories = {eng.engine_name(s): eng.make_engine(s, settings) for s in specs}
+    space = eng.token_space_for_model(model) if needs_model else TokenSpace.default()
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "engines": specs,
+        "concurrency": concurrencies,
+        "max_think": args.max_think,
+        "settings": asdict(settings),
+        "floor": args.floor,
+        "reference": specs[0],
+        "token_space": {"low": space.low, "high": space.high},
+    }
+    trace_info = {
+        "id": trace.trace_id,
+        "path": args.trace,
+        "format": trace.source_format,
+        "block_size": trace.block_size,
+        "stats": stats,
+        "meta": trace.meta,
+    }
+    header = make_header(trace_info, config)
+    runs = []
+
+    def save(result) -> None:
+        runs.append(result)
+        Results(header, tuple(runs)).write(out / "results.json", args.floor)
+
+    run_sweep(
+        trace,
+        factories,
+        concurrencies,
+        PromptBuilder(trace.block_size, space),
+        args.max_think,
+        not args.no_progress,
+        save,
+    )
+    return _render(Results(header, tuple(runs)), out, args.floor, not args.no_plots)
+
+
+def _render(results, out: Path, floor: float, plots: bool) -> int:
+    from agentx.bench.report import markdown
+
+    text = markdown(results, floor)
+    (out / "results.md").write_text(text)
+    print(text)
+    if plots:
+        from agentx.bench.plots import plot_all
+
+        for path in plot_all(results, out):
+            print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'}", file=sys.stderr)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from agentx.bench.results import Results
+
+    results = Results.read(args.results)
+    out = Path(args.out) if args.out else Path(args.results).parent
+    out.mkdir(parents=True, exist_ok=True)
+    floor = args.floor if args.floor is not None else results.header["config"].get("floor", 5.0)
+    return _render(results, out, floor, True)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "synth":
+        return cmd_synth(args)
+    if args.command == "run":
+        return cmd_run(args, [args.engine])
+    if args.command == "compare":
+        return cmd_run(args, [s.strip() for s in args.engines.split(",") if s.strip()])
+    return cmd_plot(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``agentx`` console script: ``agentx bench ...``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "bench":
+        print("usage: agentx bench {synth,run,compare,plot} ...", file=sys.stderr)
+        return 2
+    return bench_main(argv[1:])

@@ -1,0 +1,127 @@
+"""Engine specs: the names ``run --engine`` and ``compare --engines`` accept, and how each
+becomes an :class:`EngineAdapter`.
+
+    agentx          the agentx worker in a subprocess (``python -m agentx.bench.worker``): how
+                    ``compare`` measures agentx, the same way as every peer
+    agentx-inproc   the agentx engine in this process (no IPC; the default of ``run``)
+    fake            the deterministic fake engine (tests, dry runs)
+    NAME            a peer worker ``benchmarks/peers/worker_NAME.py``, run with the peer's
+                    venv ``$AGENTX_PEERS_DIR/NAME/bin/python`` (this Python if there is none)
+    NAME=COMMAND    any worker command line; a leading ``*.py`` runs with this Python
+
+Worker commands get ``--model PATH --threads N`` appended (the protocol's fixed flags) unless
+the command already has them. A peer's model is ``--peer-model NAME=PATH`` when given; with the
+default model, the copy ``benchmarks/peers`` converts for it (``$AGENTX_PEERS_DIR/models``: the
+f32 GGUF for llamacpp, the HF folder for the others) when it exists; else the shared ``--model``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentx import env
+from agentx.bench.adapter import EngineAdapter
+from agentx.bench.prompts import TokenSpace
+
+PEERS_DIR = Path("benchmarks") / "peers"  # relative to the repository root (the cwd)
+PEER_HF_FOLDER = "SmolLM2-135M-Instruct.Q4_1-hf"
+PEER_GGUF = "SmolLM2-135M-Instruct.f32.gguf"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """What every engine of one benchmark shares."""
+
+    model: str  # the model file (agentx, and peers without a model of their own)
+    threads: int
+    kv_cache_gib: float = 2.0
+    dtype: str = "float32"
+    max_num_batched_tokens: int = 2048  # agentx's step token budget (its prefill chunk)
+    peer_models: dict[str, str] = field(default_factory=dict)  # engine name -> its model path
+    default_model: bool = True  # ``model`` is agentx's embedded default
+
+    def model_for(self, name: str) -> str:
+        if name in self.peer_models:
+            return self.peer_models[name]
+        if self.default_model and name not in ("agentx", "agentx-inproc"):
+            models = env.peers_dir() / "models"
+            converted = models / (PEER_GGUF if name == "llamacpp" else PEER_HF_FOLDER)
+            if converted.exists():
+                return str(converted)
+        return self.model
+
+
+def resolve_model(model: str | None) -> str:
+    if model in (None, "", "default"):
+        from agentx.engine.models.loader import default_model_path
+
+        return str(default_model_path())
+    return str(model)
+
+
+def token_space_for_model(model: str) -> TokenSpace:
+    """The model's vocabulary without its special tokens (from its own tokenizer)."""
+    from agentx.engine.models.tokenizer import Tokenizer
+
+    path = Path(model)
+    tok = Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    added = tok.backend.get_added_tokens_decoder()
+    special = {i for i, t in added.items() if t.special}
+    return TokenSpace.for_vocab(tok.vocab_size, special)
+
+
+def engine_name(spec: str) -> str:
+    return spec.split("=", 1)[0]
+
+
+def make_engine(spec: str, settings: EngineSettings) -> Callable[[], EngineAdapter]:
+    """A factory: each call builds a fresh (unstarted) adapter, so every run starts cold."""
+    name, _, command = spec.partition("=")
+    if name == "fake" and not command:
+        from agentx.bench.fake_engine import FakeEngine
+
+        return lambda: FakeEngine(decode_s_per_token=0.002)
+    if name == "agentx-inproc" and not command:
+        from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+
+        options = AgentxOptions(
+            model=settings.model,
+            threads=settings.threads,
+            dtype=settings.dtype,
+            kv_cache_bytes=int(settings.kv_cache_gib * (1 << 30)),
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+        )
+        return lambda: AgentxEngine(options)
+    argv = _worker_argv(name, command, settings)
+    from agentx.bench.worker_engine import WorkerEngine
+
+    return lambda: WorkerEngine(name, argv)
+
+
+def _worker_argv(name: str, command: str, settings: EngineSettings) -> list[str]:
+    if command:
+        argv = shlex.split(command)
+        if argv[0].endswith(".py"):
+            argv.insert(0, sys.executable)
+    elif name == "agentx":
+        argv = [sys.executable, "-m", "agentx.bench.worker", "--dtype", settings.dtype,
+                "--kv-cache-gib", str(settings.kv_cache_gib),
+                "--max-num-batched-tokens", str(settings.max_num_batched_tokens)]  # fmt: skip
+    else:
+        script = PEERS_DIR / f"worker_{name}.py"
+        if not script.is_file():
+            raise ValueError(
+                f"unknown engine {name!r}: not agentx, agentx-inproc or fake, and no {script}; "
+                "give a worker command as NAME=COMMAND"
+            )
+        python = env.peers_dir() / name / "bin" / "python"
+        argv = [str(python) if python.exists() else sys.executable, str(script)]
+    if "--model" not in argv:
+        argv += ["--model", settings.model_for(name)]
+    if "--threads" not in argv:
+        argv += ["--threads", str(settings.threads)]
+    return argv

@@ -1,0 +1,90 @@
+"""PNG plots of a results file (matplotlib, Agg backend, imported only when plotting):
+TPGS vs concurrency, interactivity P50 vs TPGS, TTFT CDF, hit rate per engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agentx.bench.metrics import RunMetrics
+from agentx.bench.results import Results
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError("plots need matplotlib: pip install 'agentx[bench]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_all(results: Results, out_dir: str | Path) -> list[Path]:
+    """Write the four plots into ``out_dir``; returns their paths."""
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, draw in (
+        ("tpgs_vs_concurrency.png", _tpgs_vs_concurrency),
+        ("interactivity_vs_tpgs.png", _interactivity_vs_tpgs),
+        ("ttft_cdf.png", _ttft_cdf),
+        ("hit_rate.png", _hit_rate),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax, results)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    return paths
+
+
+def _by_engine(results: Results) -> dict[str, list[RunMetrics]]:
+    out: dict[str, list[RunMetrics]] = {}
+    for m in results.metrics:
+        out.setdefault(m.engine, []).append(m)
+    return {e: sorted(ms, key=lambda m: m.concurrency) for e, ms in out.items()}
+
+
+def _tpgs_vs_concurrency(ax, results: Results) -> None:
+    for engine, ms in _by_engine(results).items():
+        ax.plot([m.concurrency for m in ms], [m.tpgs for m in ms], marker="o", label=engine)
+    ax.set(xlabel="concurrent session trees", ylabel="TPGS (tokens/s/device)", title="TPGS")
+    ax.legend()
+
+
+def _interactivity_vs_tpgs(ax, results: Results) -> None:
+    for engine, ms in _by_engine(results).items():
+        ys = [m.interactivity_p50 or 0 for m in ms]
+        ax.plot([m.tpgs for m in ms], ys, marker="o", label=engine)
+    ax.set(
+        xlabel="TPGS (tokens/s/device)",
+        ylabel="interactivity P50 (tok/s/request)",
+        title="interactivity vs throughput",
+    )
+    ax.legend()
+
+
+def _ttft_cdf(ax, results: Results) -> None:
+    for run, m in zip(results.runs, results.metrics, strict=True):
+        ttfts = sorted(r.ttft for r in run.records if r.ok and r.ttft is not None)
+        if ttfts:
+            ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+            ax.step(ttfts, ys, where="post", label=f"{m.engine} c={m.concurrency}")
+    ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF")
+    ax.legend(fontsize=7)
+
+
+def _hit_rate(ax, results: Results) -> None:
+    metrics = results.metrics
+    xs = list(range(len(metrics)))
+    achieved = [m.achieved_hit_rate or 0 for m in metrics]
+    ax.bar([x - 0.2 for x in xs], achieved, 0.4, label="achieved")
+    ax.bar(
+        [x + 0.2 for x in xs], [m.theoretical_hit_rate for m in metrics], 0.4, label="theoretical"
+    )
+    ax.set_xticks(xs, [f"{m.engine}\nc={m.concurrency}" for m in metrics], fontsize=7)
+    ax.set(ylabel="prefix hit rate", ylim=(0, 1), title="prefix cache hit rate")
+    ax.legend()

@@ -1,0 +1,101 @@
+"""Prompts from hash ids: every block id becomes a fixed block of token ids.
+
+``block_tokens(scope, hash_id)`` is a pure function of its arguments and of the token space: the
+same id gives the same ``block_size`` tokens in every process, on every machine and for every
+engine (it hashes ``(scope, hash_id, counter)`` with BLAKE2b; no RNG whose stream could change
+between library versions). Different ids give unrelated tokens, so prompts overlap exactly where
+their hash ids do. A partial last block is a prefix of its block's tokens; tokens a trace's ids
+do not cover (``in`` larger than its blocks) are filled from a per-request private block.
+
+Token ids are drawn from a :class:`TokenSpace`: a range of ordinary ids of the model's vocabulary,
+minus its special tokens (a stray end-of-turn or BOS inside a prompt would change what engines do).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+
+SMOLLM2_VOCAB_SIZE = 49_152
+SMOLLM2_NUM_SPECIAL = 17  # ids 0..16 are <|endoftext|>, <|im_start|>, <|im_end|>, ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpace:
+    """The ids prompts may use: ``[low, high)`` without ``excluded``."""
+
+    low: int
+    high: int
+    excluded: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"empty token space [{self.low}, {self.high})")
+
+    @classmethod
+    def for_vocab(cls, vocab_size: int, special_ids: Iterable[int] = ()) -> TokenSpace:
+        """Every id of the vocabulary except the special ones (kept out of ``[low, high)`` when
+        they sit at either end of the vocabulary, as they usually do)."""
+        special = set(special_ids)
+        low, high = 0, vocab_size
+        while low in special:
+            low += 1
+        while high - 1 in special:
+            high -= 1
+        return cls(low, high, frozenset(i for i in special if low <= i < high))
+
+    @classmethod
+    def default(cls) -> TokenSpace:
+        """SmolLM2-135M's vocabulary without its special tokens."""
+        return cls(SMOLLM2_NUM_SPECIAL, SMOLLM2_VOCAB_SIZE)
+
+    @property
+    def num_ids(self) -> int:
+        return self.high - self.low  # excluded ids are skipped by remapping, see token()
+
+    def token(self, value: int) -> int:
+        token_id = self.low + value % self.num_ids
+        while token_id in self.excluded:  # rare: move to the next allowed id
+            token_id = self.low + (token_id - self.low + 1) % self.num_ids
+        return token_id
+
+
+class PromptBuilder:
+    """Token ids of trace prompts; blocks are cached, so shared prefixes cost nothing twice."""
+
+    def __init__(self, block_size: int, space: TokenSpace | None = None) -> None:
+        self.block_size = block_size
+        self.space = space or TokenSpace.default()
+        self.block_tokens = lru_cache(maxsize=1 << 16)(self._block_tokens)
+
+    def _block_tokens(self, scope: str, hash_id: int) -> tuple[int, ...]:
+        out: list[int] = []
+        counter = 0
+        while len(out) < self.block_size:
+            key = f"{scope}\x00{hash_id}\x00{counter}".encode()
+            digest = hashlib.blake2b(key, digest_size=64).digest()
+            out.extend(
+                self.space.token(int.from_bytes(digest[i : i + 4], "little"))
+                for i in range(0, 64, 4)
+            )
+            counter += 1
+        return tuple(out[: self.block_size])
+
+    def prompt(
+        self, scope: str, hash_ids: tuple[int, ...], num_tokens: int, filler_key: str = ""
+    ) -> list[int]:
+        """``num_tokens`` ids: block after block, the last one cut; past the last id, tokens of
+        a private filler block keyed by ``filler_key`` (unique per request)."""
+        out: list[int] = []
+        for hash_id in hash_ids:
+            if len(out) >= num_tokens:
+                break
+            out.extend(self.block_tokens(scope, hash_id)[: num_tokens - len(out)])
+        part = 0
+        while len(out) < num_tokens:
+            filler = self.block_tokens(f"{scope}\x00filler\x00{filler_key}", part)
+            out.extend(filler[: num_tokens - len(out)])
+            part += 1
+        return out

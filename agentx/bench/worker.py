@@ -1,0 +1,131 @@
+"""The agentx side of the worker protocol (:mod:`agentx.bench.protocol`)::
+
+    python -m agentx.bench.worker --model PATH --threads N [--dtype D] [--kv-cache-gib G]
+
+Loads the engine, says ``ready``, then serves ``generate`` lines concurrently (the engine batches
+them) until ``shutdown`` or end of input. Protocol lines are the only thing written to stdout:
+file descriptor 1 is pointed at stderr so that stray prints cannot corrupt the stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import threading
+
+from agentx.bench import protocol
+from agentx.bench.adapter import Done, EngineAdapter, GenerateRequest, Tokens
+from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m agentx.bench.worker", description=__doc__)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF folder; 'default' or omitted: the embedded SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    return p.parse_args(argv)
+
+
+class _Worker:
+    def __init__(self, engine: EngineAdapter, out) -> None:
+        self.engine, self.out = engine, out
+        self.tasks: set[asyncio.Task] = set()
+
+    def send(self, line: bytes) -> None:
+        self.out.write(line)
+        self.out.flush()
+
+    async def generate(self, op: dict) -> None:
+        rid = op["id"]
+        request = GenerateRequest(rid, op["session"], list(op["prompt"]), int(op["max_tokens"]))
+        try:
+            async for event in self.engine.generate(request):
+                if isinstance(event, Tokens):
+                    self.send(protocol.tokens_ev(rid, event.n))
+                elif isinstance(event, Done):
+                    self.send(protocol.done_ev(rid, event.num_output, event.num_cached))
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, the worker goes on
+            self.send(protocol.error_ev(rid, f"{type(exc).__name__}: {exc}"))
+
+    async def serve(self, lines: asyncio.Queue) -> None:
+        while (line := await lines.get()) is not None:
+            if not line.strip():
+                continue
+            try:
+                op = protocol.decode(line, "op")
+            except protocol.ProtocolError as exc:
+                self.send(protocol.error_ev(None, str(exc)))
+                continue
+            if op["op"] == "shutdown":
+                break
+            if op["op"] == "end_session":
+                await self.engine.end_session(op["session"])
+                continue
+            task = asyncio.create_task(self.generate(op))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _read_stdin(loop: asyncio.AbstractEventLoop, lines: asyncio.Queue) -> None:
+    try:
+        for line in sys.stdin.buffer:
+            loop.call_soon_threadsafe(lines.put_nowait, line)
+        loop.call_soon_threadsafe(lines.put_nowait, None)
+    except RuntimeError:
+        pass  # the loop is closed: the worker is exiting
+
+
+async def serve(engine: EngineAdapter, out) -> None:
+    """Start ``engine``, say ``ready`` on ``out`` and serve stdin until shutdown or EOF."""
+    worker = _Worker(engine, out)
+    try:
+        info = await engine.start()
+        worker.send(protocol.ready_ev(info.engine, info.version, info.config))
+        lines: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=_read_stdin, args=(loop, lines), daemon=True).start()
+        await worker.serve(lines)
+    except Exception as exc:  # noqa: BLE001 - e.g. the model cannot be loaded
+        worker.send(protocol.error_ev(None, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        await engine.close()
+
+
+def protocol_stdout():
+    """The real stdout for protocol lines; fd 1 (print, C libraries) goes to stderr after."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    out = protocol_stdout()
+    model = None if args.model in (None, "", "default") else args.model
+    options = AgentxOptions(
+        model=model,
+        threads=args.threads,
+        dtype=args.dtype,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    asyncio.run(serve(AgentxEngine(options), out))
+
+
+if __name__ == "__main__":
+    main()

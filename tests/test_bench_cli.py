@@ -1,0 +1,111 @@
+"""The CLI end to end on the fake engines: synth, run, compare, plot."""
+
+import json
+import sys
+
+import pytest
+
+from agentx.bench.cli import bench_main, main
+from agentx.bench.format_agentx import load_agentx
+from agentx.bench.sweep import SweepPoint, plan
+
+
+def test_synth_writes_a_trace_and_prints_the_hit_rate(tmp_path, capsys):
+    out = tmp_path / "t.jsonl"
+    assert bench_main(["synth", "-o", str(out), "--sessions", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "synth-s0-n8-x0.05: 8 sessions, 140 requests" in err
+    assert "theoretical prefix hit rate 92.48% (189760 of 205184 prompt tokens" in err
+    trace = load_agentx(out)
+    assert len(trace.sessions) == 8 and trace.block_size == 64
+
+
+def test_plan_alternates_engines():
+    assert plan(["a", "b"], [1, 2, 4]) == [
+        SweepPoint("a", 1),
+        SweepPoint("b", 1),
+        SweepPoint("b", 2),
+        SweepPoint("a", 2),
+        SweepPoint("a", 4),
+        SweepPoint("b", 4),
+    ]
+
+
+def test_run_compare_and_plot(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    bench_main(["synth", "-o", str(trace), "--sessions", "3", "--scale", "0.01"])
+    out = tmp_path / "res"
+    common = ["--max-think", "0", "--no-progress", "--out", str(out), "--concurrency", "1,3"]
+    assert bench_main(["run", str(trace), "--engine", "fake", *common]) == 0
+    obj = json.loads((out / "results.json").read_text())
+    assert [(r["engine"]["engine"], r["concurrency"]) for r in obj["runs"]] == [
+        ("fake", 1),
+        ("fake", 3),
+    ]
+    m = obj["runs"][0]["metrics"]
+    assert (
+        m["achieved_hit_rate"]
+        == m["theoretical_hit_rate"]
+        == obj["trace"]["stats"]["theoretical_hit_rate"]
+    )
+    assert obj["config"]["token_space"] == {"low": 17, "high": 49152}
+    assert sorted(p.name for p in out.iterdir()) == [
+        "hit_rate.png",
+        "interactivity_vs_tpgs.png",
+        "results.json",
+        "results.md",
+        "tpgs_vs_concurrency.png",
+        "ttft_cdf.png",
+    ]
+    worker = f"fw={sys.executable} -m agentx.bench.fake_worker --decode-s 0.0005"
+    out2 = tmp_path / "cmp"
+    common[common.index(str(out))] = str(out2)
+    common[-1] = "2"  # one concurrency: one worker start (plan() is tested above)
+    assert bench_main(["compare", str(trace), "--engines", f"fake,{worker}", *common]) == 0
+    obj = json.loads((out2 / "results.json").read_text())
+    order = [(r["engine"]["engine"], r["concurrency"]) for r in obj["runs"]]
+    assert order == [("fake", 2), ("fw", 2)]
+    assert set(obj["summary"]["ratios"]) == {"fake", "fw"} and obj["summary"]["ratios_vs"] == "fake"
+    text = capsys.readouterr().out
+    assert "TPGS ratio vs fake" in text
+    (out2 / "results.md").unlink()
+    assert bench_main(["plot", str(out2 / "results.json")]) == 0
+    assert (out2 / "results.md").read_text().startswith("# agentx bench: t")
+
+
+def test_console_script_and_bad_engine(tmp_path, capsys):
+    assert main(["nope"]) == 2
+    trace = tmp_path / "t.jsonl"
+    assert main(["bench", "synth", "-o", str(trace), "--sessions", "1", "--scale", "0.01"]) == 0
+    with pytest.raises(ValueError, match="unknown engine 'nosuch'"):
+        bench_main(["run", str(trace), "--engine", "nosuch", "--out", str(tmp_path / "o")])
+
+
+def test_peer_engine_resolution(tmp_path, monkeypatch):
+    from agentx.bench.engines import EngineSettings, _worker_argv
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGENTX_PEERS_DIR", str(tmp_path / "peers"))
+    (tmp_path / "benchmarks" / "peers").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "peers" / "worker_hf.py").write_text("")
+    settings = EngineSettings("/m.gguf", 2)
+    # no peer venv, no converted model: this Python and the shared model
+    assert _worker_argv("hf", "", settings) == [
+        sys.executable, "benchmarks/peers/worker_hf.py", "--model", "/m.gguf", "--threads", "2",
+    ]  # fmt: skip
+    (tmp_path / "peers" / "hf" / "bin").mkdir(parents=True)
+    (tmp_path / "peers" / "hf" / "bin" / "python").write_text("")
+    (tmp_path / "peers" / "models" / "SmolLM2-135M-Instruct.Q4_1-hf").mkdir(parents=True)
+    assert _worker_argv("hf", "", settings)[::3] == [
+        str(tmp_path / "peers" / "hf" / "bin" / "python"),
+        str(tmp_path / "peers" / "models" / "SmolLM2-135M-Instruct.Q4_1-hf"),
+    ]
+    mine = EngineSettings("/m.gguf", 2, peer_models={"hf": "/hf"}, default_model=False)
+    assert _worker_argv("hf", "", mine)[3] == "/hf"
+    assert _worker_argv("x", "w.py --model /own --fast", mine) == [
+        sys.executable, "w.py", "--model", "/own", "--fast", "--threads", "2",
+    ]  # fmt: skip
+    assert _worker_argv("agentx", "", mine)[1:] == [
+        "-m", "agentx.bench.worker", "--dtype", "float32", "--kv-cache-gib", "2.0",
+        "--max-num-batched-tokens", "2048", "--model", "/m.gguf", "--threads", "2",
+    ]  # fmt: skip

@@ -1,0 +1,69 @@
+"""The worker protocol and the subprocess adapter (on the fake worker)."""
+
+import asyncio
+import sys
+
+import pytest
+
+from agentx.bench import protocol
+from agentx.bench.adapter import BenchEngineError, Done, GenerateRequest, Tokens
+from agentx.bench.worker_engine import WorkerEngine
+
+FAKE = [sys.executable, "-m", "agentx.bench.fake_worker", "--model", "x", "--threads", "1"]
+
+
+def test_protocol_lines():
+    assert protocol.generate_op("r1", "s", [1, 2], 3) == (
+        b'{"op":"generate","id":"r1","session":"s","prompt":[1,2],"max_tokens":3}\n'
+    )
+    assert protocol.done_ev("r1", 3, None) == (
+        b'{"ev":"done","id":"r1","num_output":3,"num_cached":null}\n'
+    )
+    assert protocol.decode(protocol.tokens_ev("r1", 2), "ev") == {
+        "ev": "tokens",
+        "id": "r1",
+        "n": 2,
+    }
+    assert protocol.decode(protocol.shutdown_op(), "op") == {"op": "shutdown"}
+    with pytest.raises(protocol.ProtocolError, match="lacks \\['n'\\]"):
+        protocol.decode(b'{"ev":"tokens","id":"r1"}', "ev")
+    with pytest.raises(protocol.ProtocolError, match="unknown ev"):
+        protocol.decode(b'{"ev":"hello"}', "ev")
+    with pytest.raises(protocol.ProtocolError, match="not JSON"):
+        protocol.decode(b"{", "op")
+
+
+async def collect(engine, rid, prompt, n):
+    return [e async for e in engine.generate(GenerateRequest(rid, "s", prompt, n))]
+
+
+def test_worker_engine_on_the_fake_worker():
+    async def go():
+        engine = WorkerEngine("fake", FAKE)
+        info = await engine.start()
+        assert (info.engine, info.version) == ("fake", "0")
+        prompt = list(range(100, 140))
+        a, b = await asyncio.gather(
+            collect(engine, "a", prompt, 3), collect(engine, "b", list(range(40)), 2)
+        )
+        assert a == [Tokens(1), Tokens(1), Tokens(1), Done(3, 0)]
+        assert b == [Tokens(1), Tokens(1), Done(2, 0)]
+        again = await collect(engine, "c", prompt + [7], 1)
+        assert again == [Tokens(1), Done(1, 32)]  # two 16-token blocks were cached
+        await engine.end_session("s")
+        await engine.close()
+        await engine.close()  # idempotent
+        with pytest.raises(BenchEngineError):
+            await collect(engine, "d", prompt, 1)
+
+    asyncio.run(go())
+
+
+def test_worker_that_dies_fails_requests():
+    async def go():
+        engine = WorkerEngine("bad", [sys.executable, "-c", "import sys; sys.exit(3)"])
+        with pytest.raises(BenchEngineError, match="exited with code 3"):
+            await engine.start()
+        await engine.close()
+
+    asyncio.run(go())

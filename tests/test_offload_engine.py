@@ -190,3 +190,31 @@ def test_migration_between_engines_through_a_shared_tier(prompts, tmp_path):
         assert moved.usage.cached_tokens == 176
         assert moved.token_ids == cold_tokens(prompts, turn2)
         assert_clean(dest)
+
+
+def test_a_hinted_turn_is_demoted_first_and_prefetched_into_the_device_cache(prompts):
+    _, a, b = prompts
+    with offload_engine(host_bytes=64 * PAGE_BYTES, prefetch_margin_s=0.5) as engine:
+        now = [1000.0]
+        engine.core.offload.clock = lambda: now[0]
+        first = engine.add_request(a, GREEDY, hints=(ToolLatency(30.0),))
+        first.result(timeout=300)
+        pool = engine.core.kv.pool
+        wait_for(lambda: engine.core.offload.tool_waits)
+        with engine._step_lock:
+            front = pool.free_queue.get_block_ids()[:11]
+            hashes = engine.core.offload.tool_waits[f"prefetch:{first.request_id}"].block_hashes
+            demoted = [pool.get_cached_block(h).block_id for h in hashes]
+        assert sorted(front) == sorted(demoted)  # first in line for reuse: the host keeps them
+        run(engine, b)
+        with engine._step_lock:
+            assert sum(pool.get_cached_block(h) is not None for h in hashes) < 11
+        now[0] += 29.6
+        wait_for(lambda: engine.stats().offload_num_prefetches == 1)
+        wait_for(lambda: all(pool.get_cached_block(h) is not None for h in hashes))
+        again = a + [13, 42]
+        gen = run(engine, again)
+        assert gen.usage.cached_tokens == 176
+        assert not engine.core.scheduler.parked
+        assert gen.token_ids == cold_tokens(prompts, again)
+        assert_clean(engine)

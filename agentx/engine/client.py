@@ -119,10 +119,16 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        hints: tuple = (),
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas; leaving early or being cancelled aborts it."""
         stream = self.add_request(
-            prompt, sampling, request_id=request_id, priority=priority, cache_salt=cache_salt
+            prompt,
+            sampling,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            hints=hints,
         )
         try:
             async for out in stream:

@@ -172,6 +172,14 @@ class BlockPool:
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
 
+    def demote_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Free cached blocks to be reused before other cached ones (a lower tier keeps their
+        content); given prefix first, so the tail is evicted first. Held blocks are skipped."""
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+
     def uncache_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Forget the cached content of blocks (held or free); free ones move to the front."""
         for block in blocks:

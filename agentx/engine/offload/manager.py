@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,7 +30,16 @@ from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.offload.mooncake_master import MooncakeMaster
 from agentx.engine.offload.tiered import TieredStore
 from agentx.engine.request import Request
-from agentx.engine.runner import ModelRunner
+
+
+class PageIO(Protocol):
+    """How the manager reads and writes device KV (the model runner provides it)."""
+
+    page_bytes: int
+
+    def gather_pages(self, block_ids: list[int]) -> torch.Tensor: ...
+
+    def scatter_pages(self, block_ids: list[int], pages: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +52,7 @@ class KVExport:
 
 @dataclass(slots=True)
 class _Load:
-    handle: str  # the held sequence the blocks become
+    handle: str | None  # the held sequence the blocks become (None: the device cache only)
     request_id: str | None  # the parked request waiting for it (None: a prefetch or import)
     token_ids: list[int]  # tokens of device_blocks + blocks
     device_blocks: list[KVBlock]  # the device hit in front of the loaded blocks (referenced)
@@ -63,7 +73,8 @@ class OffloadCounters:
 class _ToolWait:
     return_at: float
     token_ids: list[int]
-    block_hashes: list[BlockHash] = field(default_factory=list)
+    block_hashes: list[BlockHash]
+    handle: str | None  # the held sequence to rebuild; None: back into the device cache
 
 
 class OffloadManager:
@@ -71,7 +82,7 @@ class OffloadManager:
         self,
         store: TieredStore,
         kv: KVCacheManager,
-        runner: ModelRunner,
+        runner: PageIO,
         config: OffloadConfig,
         master: MooncakeMaster | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -119,7 +130,7 @@ class OffloadManager:
 
     def _start_load(
         self,
-        handle: str,
+        handle: str | None,
         request_id: str | None,
         token_ids: list[int],
         hashes: list[BlockHash],
@@ -175,9 +186,12 @@ class OffloadManager:
         self.counters.num_loaded_blocks += num_done
         self.counters.num_failed_blocks += len(failed)
         blocks = load.device_blocks + done
-        if not blocks:
+        if load.handle is None:  # a prefetch into the device cache: most recently used now
+            self.pool.free_blocks(reversed(blocks))
             return
-        self.kv.held.add(load.handle, load.token_ids[: len(blocks) * self.block_size], (blocks,))
+        if blocks:
+            num_tokens = len(blocks) * self.block_size
+            self.kv.held.add(load.handle, load.token_ids[:num_tokens], (blocks,))
 
     def idle_wait(self, timeout: float = 0.005) -> None:
         """Nothing to schedule: wait a little for a transfer instead of spinning."""
@@ -194,19 +208,28 @@ class OffloadManager:
             pages = self.runner.gather_pages([b.block_id for _, b in published])
             ticket = self.store.store([h for h, _ in published], list(pages), self.tier_names)
             self.stores[ticket.job_id] = pages
-        for rid in [r for r in self.tool_hints if r in self.kv.held]:
-            seconds, request = self.tool_hints.pop(rid)
-            held = self.kv.held.get(rid)
-            assert held is not None
-            return_at = self.clock() + seconds
-            num_full = held.num_tokens // self.block_size
-            self.tool_waits[rid] = _ToolWait(
-                return_at, held.token_ids[:], request.block_hashes[:num_full]
-            )
-            self.kv.held.expected_return[rid] = return_at
         for rid in [r for r, (_, req) in self.tool_hints.items() if req.is_finished]:
-            if rid not in self.kv.held:
-                del self.tool_hints[rid]  # finished without holding its KV: nothing to do
+            seconds, request = self.tool_hints.pop(rid)
+            self._on_tool_wait(rid, seconds, request)
+
+    def _on_tool_wait(self, rid: str, seconds: float, request: Request) -> None:
+        """A finished turn whose session now waits ``seconds`` on a tool: its device blocks are
+        demoted (released first under pressure; the tiers keep them) and prefetched back
+        ``prefetch_margin_s`` before the tool returns."""
+        return_at = self.clock() + seconds
+        held = self.kv.held.get(rid)
+        if held is not None:  # a held turn: released first, reloaded under the same handle
+            num_full = held.num_tokens // self.block_size
+            hashes = request.block_hashes[:num_full]
+            self.tool_waits[rid] = _ToolWait(return_at, held.token_ids[:], hashes, rid)
+            self.kv.held.expected_return[rid] = return_at
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = request.block_hashes[:num_full]
+        blocks = [self.pool.get_cached_block(h) for h in hashes]
+        self.pool.demote_blocks([b for b in blocks if b is not None])
+        tokens = request.all_token_ids[: num_full * self.block_size]
+        self.tool_waits[f"prefetch:{rid}"] = _ToolWait(return_at, tokens, hashes, None)
 
     def _prefetch_due(self) -> None:
         now = self.clock()
@@ -214,9 +237,9 @@ class OffloadManager:
             if now < wait.return_at - self.config.prefetch_margin_s:
                 continue
             del self.tool_waits[handle]
-            if handle in self.kv.held:
+            if wait.handle is not None and wait.handle in self.kv.held:
                 continue  # never left the device
-            if self._start_load(handle, None, wait.token_ids, wait.block_hashes):
+            if self._start_load(wait.handle, None, wait.token_ids, wait.block_hashes):
                 self.counters.num_prefetches += 1
 
     def forget_handle(self, handle: str) -> None:

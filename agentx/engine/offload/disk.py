@@ -127,6 +127,8 @@ class DiskTier(IndexedTier):
                 if present[i] or block_hash in self._index.entries:
                     continue
                 path = self.path_of(block_hash)
+                if path in self._pending_unlinks:
+                    continue  # dropped or found bad here: its deletion is on the way
                 try:
                     if path.stat().st_size != self.file_bytes:
                         continue

@@ -5,7 +5,7 @@ its weights dequantized to fp32. This writes the same dequantized weights back a
 metadata key kept (``general.file_type`` set to match), tensors in GGUF layout (llama's q/k rows
 stay permuted the llama.cpp way). Runs in any venv with ``gguf`` and ``numpy`` (agentx's has both):
 
-    /work/main/.venv/bin/python benchmarks/peers/convert_gguf.py [--model GGUF] [--dtype f32|f16]
+    .venv/bin/python benchmarks/peers/convert_gguf.py [--model GGUF] [--dtype f32|f16]
         [--out FILE]
 
 Prints the output path; an output newer than its source is kept.
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
 _FILE_TYPE = {"f32": 0, "f16": 1}  # llama_ftype: ALL_F32, MOSTLY_F16

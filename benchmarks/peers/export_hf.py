@@ -4,7 +4,7 @@ The vLLM and transformers peers load Hugging Face folders; this gives them the v
 runs (the GGUF dequantized to fp32 by agentx's own loader), so every engine of the benchmark
 computes with the same numbers. Runs in agentx's venv:
 
-    PYTHONPATH=. /work/main/.venv/bin/python benchmarks/peers/export_hf.py [--model GGUF] [--out DIR]
+    PYTHONPATH=. .venv/bin/python benchmarks/peers/export_hf.py [--model GGUF] [--out DIR]
 
 Writes config.json, generation_config.json, model.safetensors (fp32, or --dtype),
 tokenizer.json and tokenizer_config.json; prints the folder. The default folder is
@@ -34,9 +34,11 @@ def peers_dir() -> Path:
 
 def hf_config(ckpt: Checkpoint, dtype: str) -> dict:
     spec = ckpt.spec
-    if spec.architecture != "llama" or spec.layer_types and set(spec.layer_types) != {
-        "full_attention"
-    }:
+    if (
+        spec.architecture != "llama"
+        or spec.layer_types
+        and set(spec.layer_types) != {"full_attention"}
+    ):
         raise SystemExit(f"export_hf: only full-attention Llama checkpoints, got {spec}")
     config = {
         "architectures": ["Qwen2ForCausalLM" if spec.attention_bias else "LlamaForCausalLM"],

@@ -31,13 +31,56 @@ F32_GGUF = PEERS_DIR / "models" / "SmolLM2-135M-Instruct.f32.gguf"
 
 # SmolLM2 chat-format ids (from agentx's GGUF tokenizer): a system turn and three user turns,
 # each user turn ending with the assistant header.
-SYSTEM = [1, 9690, 198, 2683, 359, 253, 5649, 8598, 11173, 30, 1206, 2988, 13099, 284, 346,
-          13383, 260, 4577, 346, 1012, 30, 2, 198]
+SYSTEM = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5649,
+    8598,
+    11173,
+    30,
+    1206,
+    2988,
+    13099,
+    284,
+    346,
+    13383,
+    260,
+    4577,
+    346,
+    1012,
+    30,
+    2,
+    198,
+]
 USER = [
-    [1, 4093, 198, 6106, 260, 1296, 3995, 9244, 282, 260, 3693, 817, 30, 2, 198, 1, 520, 9531,
-     198],
-    [1, 4093, 198, 2696, 2965, 253, 5905, 1517, 338, 11695, 253, 1398, 282, 23313, 30, 2, 198,
-     1, 520, 9531, 198],
+    [1, 4093, 198, 6106, 260, 1296, 3995, 9244, 282, 260, 3693, 817, 30, 2, 198, 1, 520, 9531, 198],
+    [
+        1,
+        4093,
+        198,
+        2696,
+        2965,
+        253,
+        5905,
+        1517,
+        338,
+        11695,
+        253,
+        1398,
+        282,
+        23313,
+        30,
+        2,
+        198,
+        1,
+        520,
+        9531,
+        198,
+    ],
     [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
 ]
 END_OF_TURN = [2, 198]  # <|im_end|>\n after the assistant's output
@@ -64,7 +107,11 @@ class Worker:
         self.log_file = log_file
         self._log = open(log_file, "w")
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
             cwd=HERE.parent.parent,
         )
         self.results: dict[str, Result] = {}
@@ -112,8 +159,16 @@ class Worker:
     def generate(self, request_id: str, session: str, prompt: list[int], max_tokens: int) -> Result:
         result = Result(request_id, len(prompt), time.perf_counter())
         self.results[request_id] = result
-        self.send({"op": "generate", "id": request_id, "session": session, "prompt": prompt,
-                   "max_tokens": max_tokens, "return_ids": True})
+        self.send(
+            {
+                "op": "generate",
+                "id": request_id,
+                "session": session,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "return_ids": True,
+            }
+        )
         return result
 
     def close(self) -> int:
@@ -140,14 +195,23 @@ def default_model(peer: str) -> str:
 def run_peer(peer: str, args: argparse.Namespace) -> dict[str, Result]:
     python = PEERS_DIR / peer / "bin" / "python"
     model = getattr(args, f"{peer}_model") or default_model(peer)
-    argv = [str(python), str(HERE / f"worker_{peer}.py"), "--model", model,
-            "--threads", str(args.threads), *shlex.split(getattr(args, f"{peer}_args") or "")]
+    argv = [
+        str(python),
+        str(HERE / f"worker_{peer}.py"),
+        "--model",
+        model,
+        "--threads",
+        str(args.threads),
+        *shlex.split(getattr(args, f"{peer}_args") or ""),
+    ]
     log_file = Path(args.log_dir) / f"smoke_{peer}.log"
     print(f"== {peer}: {shlex.join(argv)}")
     started = time.perf_counter()
     worker = Worker(argv, log_file, args.ready_timeout)
-    print(f"  ready in {time.perf_counter() - started:.1f}s: {worker.ready['engine']} "
-          f"{worker.ready['version']} {json.dumps(worker.ready['config'])}")
+    print(
+        f"  ready in {time.perf_counter() - started:.1f}s: {worker.ready['engine']} "
+        f"{worker.ready['version']} {json.dumps(worker.ready['config'])}"
+    )
     context = (SYSTEM[1:-2] * (args.context // 20 + 1))[: args.context]
     system = SYSTEM[:1] + context + SYSTEM[-2:]
     prompts = {"a": system + USER[0], "b": system + USER[2]}
@@ -157,22 +221,26 @@ def run_peer(peer: str, args: argparse.Namespace) -> dict[str, Result]:
         for wave in plan:
             sent = []
             for session, turn in wave:
-                sent.append(worker.generate(f"{session}{turn}", session, prompts[session],
-                                            args.max_tokens))
+                sent.append(
+                    worker.generate(f"{session}{turn}", session, prompts[session], args.max_tokens)
+                )
             for result in sent:
                 if not result.finished.wait(args.request_timeout):
                     result.error = "timed out"
                 results[result.id] = result
                 session = result.id[0]
                 next_user = USER[int(result.id[1:]) % len(USER)]
-                prompts[session] = (prompts[session] + (result.token_ids or []) + END_OF_TURN
-                                    + next_user)
+                prompts[session] = (
+                    prompts[session] + (result.token_ids or []) + END_OF_TURN + next_user
+                )
         worker.send({"op": "end_session", "session": "a"})
         worker.send({"op": "end_session", "session": "b"})
     finally:
         code = worker.close()
     for result in results.values():
         print("  " + describe(result))
+    saved = {r.id: r.token_ids for r in results.values()}
+    (Path(args.log_dir) / f"smoke_{peer}.json").write_text(json.dumps(saved))
     if worker.stray:
         print(f"  !! {len(worker.stray)} non-JSON stdout lines, first: {worker.stray[0][:120]}")
     if code != 0:
@@ -185,8 +253,16 @@ def describe(r: Result) -> str:
         return f"{r.id}: ERROR {r.error}"
     ttft = (r.first - r.sent) * 1e3
     decode = (r.num_output - 1) / (r.end - r.first) if r.num_output > 1 and r.end > r.first else 0
-    return (f"{r.id}: prompt {r.num_prompt:5d}  cached {str(r.num_cached):>5}  out {r.num_output:3d}"
-            f"  ttft {ttft:8.1f} ms  decode {decode:7.1f} tok/s  e2e {r.end - r.sent:6.2f} s")
+    return (
+        f"{r.id}: prompt {r.num_prompt:5d}  cached {str(r.num_cached):>5}  out {r.num_output:3d}"
+        f"  ttft {ttft:8.1f} ms  decode {decode:7.1f} tok/s  e2e {r.end - r.sent:6.2f} s"
+    )
+
+
+def load_saved(path: Path) -> dict[str, Result]:
+    """Token ids a previous run saved (``smoke_<peer>.json``), as results to compare."""
+    saved = json.loads(path.read_text())
+    return {rid: Result(rid, 0, 0.0, token_ids=ids) for rid, ids in saved.items()}
 
 
 def compare(all_results: dict[str, dict[str, Result]]) -> None:
@@ -199,7 +275,10 @@ def compare(all_results: dict[str, dict[str, Result]]) -> None:
         for peer in peers[1:]:
             other = all_results[peer].get(request_id)
             ids = other.token_ids if other and other.token_ids else []
-            same = next((i for i, (x, y) in enumerate(zip(ref, ids)) if x != y), min(len(ref), len(ids)))
+            same = next(
+                (i for i, (x, y) in enumerate(zip(ref, ids, strict=False)) if x != y),
+                min(len(ref), len(ids)),
+            )
             cells.append(f"{peer} {same}/{len(ref)}")
         print(f"  {request_id}: " + "  ".join(cells))
 
@@ -213,18 +292,21 @@ def main() -> int:
     parser.add_argument("--ready-timeout", type=float, default=900)
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--log-dir", default="/tmp")
+    parser.add_argument("--compare-saved", default="", help="peers whose saved ids to compare")
     for peer in ("hf", "vllm", "llamacpp"):
         parser.add_argument(f"--{peer}-model", default=None)
         parser.add_argument(f"--{peer}-args", default="", help=f"extra worker_{peer}.py flags")
     args = parser.parse_args()
     all_results, failed = {}, False
-    for peer in args.peers.split(","):
+    for peer in [p for p in args.peers.split(",") if p]:
         try:
             all_results[peer] = run_peer(peer, args)
             failed |= any(r.error for r in all_results[peer].values())
         except Exception as exc:
             print(f"  !! {peer} failed: {exc}")
             failed = True
+    for peer in args.compare_saved.split(",") if args.compare_saved else []:
+        all_results.setdefault(peer, load_saved(Path(args.log_dir) / f"smoke_{peer}.json"))
     if len(all_results) > 1:
         compare(all_results)
     return 1 if failed else 0

@@ -18,7 +18,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from _protocol import Channel, Generate, SerialWorker, base_parser, common_prefix_size, log
+from _protocol import (
+    Channel,
+    Generate,
+    SerialWorker,
+    base_parser,
+    common_prefix_size,
+    log,
+    set_thread_env,
+)
 
 
 @dataclass(slots=True)
@@ -90,6 +98,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the forward")
     args = parser.parse_args()
     channel = Channel()
+    set_thread_env(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     import transformers
@@ -108,6 +117,7 @@ def main() -> None:
         transformers.__version__,
         {
             "threads": args.threads,
+            "omp_wait": args.omp_wait,
             "dtype": "float32",
             "attn": args.attn,
             "compile": args.compile,

@@ -20,7 +20,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from _protocol import Channel, Generate, SerialWorker, base_parser, common_prefix_size, log
+from _protocol import (
+    Channel,
+    Generate,
+    SerialWorker,
+    base_parser,
+    common_prefix_size,
+    log,
+    set_thread_env,
+)
 
 
 @dataclass(slots=True)
@@ -117,6 +125,7 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="llama.cpp logs to stderr")
     args = parser.parse_args()
     channel = Channel()
+    set_thread_env(args)
     import llama_cpp
 
     started = time.perf_counter()
@@ -127,6 +136,7 @@ def main() -> None:
         llama_cpp.__version__,
         {
             "threads": args.threads,
+            "omp_wait": args.omp_wait,
             "slots": args.slots,
             "n_ctx": args.n_ctx,
             "n_batch": args.n_batch,

@@ -31,7 +31,16 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from _protocol import Channel, EndSession, Generate, Shutdown, base_parser, log, read_ops
+from _protocol import (
+    Channel,
+    EndSession,
+    Generate,
+    Shutdown,
+    base_parser,
+    log,
+    read_ops,
+    set_thread_env,
+)
 
 
 def parse_args():
@@ -49,7 +58,7 @@ def parse_args():
 
 
 def set_vllm_env(args) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    set_thread_env(args)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_gib)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.mode == "inproc" else "1"
@@ -247,6 +256,7 @@ def main() -> None:
             "dtype": args.dtype,
             "compile": not args.eager,
             "omp_bind": args.bind,
+            "omp_wait": args.omp_wait,
             "kv_gib": args.kv_gib,
             "prefix_caching": True,
             "block_size": args.block_size or "vllm default",

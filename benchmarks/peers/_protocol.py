@@ -202,8 +202,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
         "--omp-wait",
+        type=str.lower,
         choices=["passive", "active"],
-        default=os.environ.get("OMP_WAIT_POLICY", "passive").lower(),
+        default=os.environ.get("OMP_WAIT_POLICY") or "passive",
         help="OMP_WAIT_POLICY for the engine's OpenMP threads (default passive, see README)",
     )
     return parser

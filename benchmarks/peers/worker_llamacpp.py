@@ -1,7 +1,7 @@
 """llama.cpp peer (``llama-cpp-python``): the GGUF loaded directly, one request at a time.
 
     <llamacpp venv>/bin/python benchmarks/peers/worker_llamacpp.py --model GGUF --threads N
-        [--slots 4] [--n-ctx 8192] [--n-batch 512] [--kv-type f16|f32] [--flash-attn]
+        [--slots 4] [--n-ctx 8192] [--n-batch 512] [--kv-type f16|f32] [--no-flash-attn]
 
 KV reuse, "session slots": the worker keeps ``--slots`` llama.cpp contexts (``Llama`` objects;
 the weights are mmapped, so the copies share one page cache) and pins each session to one. A turn
@@ -16,6 +16,7 @@ session switch, where a slot switch copies nothing (README.md has the numbers).
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=8192)
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--kv-type", choices=["f16", "f32"], default="f16")
-    parser.add_argument("--flash-attn", action="store_true")
+    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--verbose", action="store_true", help="llama.cpp logs to stderr")
     args = parser.parse_args()
     channel = Channel()

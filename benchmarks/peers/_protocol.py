@@ -153,16 +153,25 @@ def common_prefix_size(a: list[int], b: list[int]) -> int:
     return i
 
 
+class Stopped(Exception):
+    """Raised by a generation that saw ``shutdown`` before it finished."""
+
+
 class SerialWorker(ABC):
     """A worker that runs one generation at a time, in arrival order.
 
     A reader thread keeps taking stdin lines while a generation runs; ops queue behind it.
-    ``shutdown`` sets ``stopping``: the generation in flight stops at its next token.
+    ``shutdown`` sets ``stopping``: the generation in flight calls ``check_stopping`` at each
+    token and ends with an error event instead of a short ``done``.
     """
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.stopping = threading.Event()
+
+    def check_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise Stopped
 
     @abstractmethod
     def generate(self, op: Generate) -> None:
@@ -191,6 +200,9 @@ class SerialWorker(ABC):
                 continue
             try:
                 self.generate(op)
+            except Stopped:
+                self.channel.error(op.id, "the worker shut down before this request finished")
+                return
             except Exception as exc:  # one failed request must not take the worker down
                 log(traceback.format_exc())
                 self.channel.error(op.id, f"{type(exc).__name__}: {exc}")

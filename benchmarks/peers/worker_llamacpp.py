@@ -60,16 +60,21 @@ class LlamaCppWorker(SerialWorker):
         n_vocab = llm.n_vocab()
         output: list[int] = []
         step_ids = op.prompt[num_cached:]
-        while True:
-            llm.eval(step_ids)
-            slot.token_ids.extend(step_ids)
-            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))
-            token = int(logits.argmax())
-            output.append(token)
-            self.channel.tokens(op.id, 1)
-            if len(output) == op.max_tokens or self.stopping.is_set():
-                break
-            step_ids = [token]
+        try:
+            while True:
+                llm.eval(step_ids)
+                slot.token_ids.extend(step_ids)
+                logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))
+                token = int(logits.argmax())
+                output.append(token)
+                self.channel.tokens(op.id, 1)
+                if len(output) == op.max_tokens:
+                    break
+                self.check_stopping()
+                step_ids = [token]
+        except BaseException:
+            slot.token_ids, llm.n_tokens = [], 0  # the context may hold a half-run batch
+            raise
         slot.last_used = time.monotonic()
         self.channel.done(op.id, len(output), num_cached, output if op.return_ids else None)
 

@@ -208,29 +208,39 @@ class SerialWorker(ABC):
                 self.channel.error(op.id, f"{type(exc).__name__}: {exc}")
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
+def base_parser(description: str, omp_wait: str = "spin") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="model path (see the worker's docstring)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
         "--omp-wait",
         type=str.lower,
-        choices=["passive", "active"],
-        default=os.environ.get("OMP_WAIT_POLICY") or "passive",
-        help="OMP_WAIT_POLICY for the engine's OpenMP threads (default passive, see README)",
+        choices=["spin", "passive", "active"],
+        default=omp_wait,
+        help=f"how idle OpenMP threads wait (default {omp_wait}; see README)",
     )
+    parser.add_argument("--omp-spincount", type=int, default=10_000, help="for --omp-wait spin")
     return parser
 
 
 def set_thread_env(args: argparse.Namespace) -> None:
     """OpenMP settings, before the engine library (and its libgomp) is imported.
 
-    Spinning OpenMP workers (``active``, libgomp's default for a while after each parallel
-    region) collapse when the machine has fewer free cores than threads: on a shared 2-core box
-    decode ran 10x slower with 2 spinning threads than with 1. ``passive`` sleeps instead.
+    libgomp lets an idle worker spin up to ~300K iterations (forever with ``active``) before it
+    sleeps. Spinning threads collapse when the machine has fewer free cores than threads: on the
+    shared 2-core box, decode ran 10x slower with 2 spinning threads than with 1. ``passive``
+    sleeps at once, which fixes that but pays a futex wake-up per parallel region (small decode
+    steps suffer). ``spin`` (default) spins ``--omp-spincount`` iterations, a few microseconds,
+    then sleeps: the best here for the torch-based peers. llama.cpp's own barriers inside each
+    OpenMP region want ``passive`` (with ``spin`` its decode ran 6x slower).
     """
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()
+    if args.omp_wait == "spin":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        os.environ["GOMP_SPINCOUNT"] = str(args.omp_spincount)
+    else:
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()
 
 
 def log(*parts: object) -> None:

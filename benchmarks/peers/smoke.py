@@ -297,6 +297,7 @@ def main() -> int:
         parser.add_argument(f"--{peer}-model", default=None)
         parser.add_argument(f"--{peer}-args", default="", help=f"extra worker_{peer}.py flags")
     args = parser.parse_args()
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     all_results, failed = {}, False
     for peer in [p for p in args.peers.split(",") if p]:
         try:

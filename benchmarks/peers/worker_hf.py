@@ -131,6 +131,7 @@ def main() -> None:
         {
             "threads": args.threads,
             "omp_wait": args.omp_wait,
+            "omp_spincount": args.omp_spincount,
             "dtype": "float32",
             "attn": args.attn,
             "compile": args.compile,

@@ -2,7 +2,7 @@
 
     <vllm venv>/bin/python benchmarks/peers/worker_vllm.py --model HF_FOLDER --threads N
         [--mode inproc|async] [--kv-gib 4] [--dtype float32] [--eager] [--bind nobind]
-        [--max-num-seqs 16] [--max-num-batched-tokens 2048] [--block-size 128]
+        [--max-num-seqs 16] [--max-num-batched-tokens 2048] [--block-size 64]
 
 ``--model`` is a Hugging Face folder (benchmarks/peers/export_hf.py). Prompts go in as token ids
 (``TokensPrompt``, no tokenizer is loaded), greedy with ``ignore_eos``; outputs stream as deltas.
@@ -53,7 +53,7 @@ def parse_args():
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=None, help="default: vLLM's (128)")
+    parser.add_argument("--block-size", type=int, default=64, help="KV block / prefix-cache unit")
     return parser.parse_args()
 
 
@@ -257,9 +257,10 @@ def main() -> None:
             "compile": not args.eager,
             "omp_bind": args.bind,
             "omp_wait": args.omp_wait,
+            "omp_spincount": args.omp_spincount,
             "kv_gib": args.kv_gib,
             "prefix_caching": True,
-            "block_size": args.block_size or "vllm default",
+            "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "torch": torch.__version__,

@@ -208,7 +208,7 @@ class SerialWorker(ABC):
                 self.channel.error(op.id, f"{type(exc).__name__}: {exc}")
 
 
-def base_parser(description: str, omp_wait: str = "spin") -> argparse.ArgumentParser:
+def base_parser(description: str, omp_wait: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="model path (see the worker's docstring)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -231,8 +231,9 @@ def set_thread_env(args: argparse.Namespace) -> None:
     shared 2-core box, decode ran 10x slower with 2 spinning threads than with 1. ``passive``
     sleeps at once, which fixes that but pays a futex wake-up per parallel region (small decode
     steps suffer). ``spin`` (default) spins ``--omp-spincount`` iterations, a few microseconds,
-    then sleeps: the best here for the torch-based peers. llama.cpp's own barriers inside each
-    OpenMP region want ``passive`` (with ``spin`` its decode ran 6x slower).
+    then sleeps. Which is best depends on the engine (measured back to back, README): ``spin``
+    for vLLM, ``passive`` for transformers and llama.cpp (with ``spin`` llama.cpp decode ran 6x
+    slower: its own barriers inside each OpenMP region spin on top).
     """
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if args.omp_wait == "spin":

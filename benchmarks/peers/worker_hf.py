@@ -104,7 +104,7 @@ class HfWorker(SerialWorker):
 
 
 def main() -> None:
-    parser = base_parser(__doc__.split("\n\n")[0])
+    parser = base_parser(__doc__.split("\n\n")[0], omp_wait="passive")
     parser.add_argument("--max-cached-tokens", type=int, default=262_144)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")

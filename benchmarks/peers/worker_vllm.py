@@ -44,7 +44,7 @@ from _protocol import (
 
 
 def parse_args():
-    parser = base_parser(__doc__.split("\n\n")[0])
+    parser = base_parser(__doc__.split("\n\n")[0], omp_wait="spin")
     parser.add_argument("--mode", choices=["inproc", "async"], default="inproc")
     parser.add_argument("--kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

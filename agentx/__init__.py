@@ -11,8 +11,9 @@ from agentx import env
 
 env.apply_cpu_defaults()  # before anything below imports torch
 
-from agentx.config import CacheConfig, EngineConfig, SchedulerConfig
+from agentx.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
 from agentx.engine.client import Engine
+from agentx.engine.offload.manager import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream, RequestUsage
@@ -25,6 +26,7 @@ from agentx.errors import (
     InvalidRequestError,
     ModelLoadError,
     ModelNotFoundError,
+    OffloadError,
     PromptTooLongError,
     RequestAbortedError,
     SamplingParamsError,
@@ -73,9 +75,12 @@ __all__ = [
     "EngineStats",
     "Generation",
     "InvalidRequestError",
+    "KVExport",
     "Message",
     "ModelLoadError",
     "ModelNotFoundError",
+    "OffloadConfig",
+    "OffloadError",
     "Pin",
     "Priority",
     "PromptTooLongError",

@@ -16,10 +16,9 @@ import argparse
 import asyncio
 import json
 import tempfile
-from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 
-from agentx.bench.adapter import BenchEngineError, Done, GenerateRequest, Tokens
+from agentx.bench.adapter import GenerateRequest
 from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
 from agentx.bench.metrics import run_metrics
 from agentx.bench.prompts import PromptBuilder, TokenSpace
@@ -33,42 +32,18 @@ from agentx.config import OffloadConfig
 PAGE_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # SmolLM2 fp32, block 16
 
 
-class OffloadAgentx(AgentxEngine):
-    """The in-process agentx engine with offload tiers and, optionally, tool-latency hints."""
+class HintedAgentx(AgentxEngine):
+    """The in-process agentx engine telling it how long each turn's tool will take."""
 
-    def __init__(self, options: AgentxOptions, offload: OffloadConfig, hints: dict[str, float]):
+    def __init__(self, options: AgentxOptions, hints: dict[str, float]) -> None:
         super().__init__(options)
-        self.offload, self.hints = offload, hints
+        self.hints = hints
 
-    async def start(self):
-        import anyio
-
-        from agentx import Engine, __version__
-        from agentx.bench.adapter import EngineInfo
-
-        config = replace(self.options.engine_config(), offload=self.offload)
-        self.engine = await anyio.to_thread.run_sync(Engine, config)
-        return EngineInfo("agentx", __version__, {"offload": str(self.offload)})
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Done]:
-        from agentx import AgentXError, SamplingParams
+    def hints_for(self, request: GenerateRequest) -> tuple:
         from agentx.engine.hints import ToolLatency
 
-        sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         seconds = self.hints.get(request.request_id)
-        hints = (ToolLatency(seconds),) if seconds else ()
-        num_output = 0
-        try:
-            async for out in self.engine.stream(
-                request.prompt, sampling, request_id=request.request_id, hints=hints
-            ):
-                if out.new_token_ids:
-                    num_output += len(out.new_token_ids)
-                    yield Tokens(len(out.new_token_ids))
-                if out.finished:
-                    yield Done(num_output, out.num_cached_tokens)
-        except AgentXError as exc:
-            raise BenchEngineError(str(exc)) from exc
+        return (ToolLatency(seconds),) if seconds else ()
 
 
 def next_think_times(trace: Trace, max_think: float) -> dict[str, float]:
@@ -142,8 +117,8 @@ def main() -> None:
             offload = tiers[name]
             if offload.disk_path is not None:
                 offload = replace(offload, disk_path=tempdir)  # every run starts cold
-            factory = lambda o=offload, h=with_hints: OffloadAgentx(  # noqa: E731
-                options, o, hints if h else {}
+            factory = lambda o=offload, h=with_hints: HintedAgentx(  # noqa: E731
+                replace(options, offload=o), hints if h else {}
             )
             config = ReplayConfig(args.concurrency, args.max_think, progress=True)
             result = asyncio.run(run_point(factory, trace, config, prompts))

@@ -29,11 +29,13 @@ class AgentxOptions:
     kv_cache_bytes: int = 2 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    offload: object | None = None  # an agentx.OffloadConfig (tiers below the device)
 
     def engine_config(self):
-        from agentx import CacheConfig, EngineConfig, SchedulerConfig
+        from agentx import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
 
         return EngineConfig(
+            offload=self.offload or OffloadConfig(),
             model=self.model,
             dtype=self.dtype,
             num_threads=self.threads,
@@ -52,6 +54,7 @@ class AgentxOptions:
             "kv_cache_bytes": self.kv_cache_bytes,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "offload": str(self.offload) if self.offload else None,
         }
 
 
@@ -78,7 +81,10 @@ class AgentxEngine(EngineAdapter):
         num_output = 0
         try:
             async for out in self.engine.stream(
-                request.prompt, sampling, request_id=request.request_id
+                request.prompt,
+                sampling,
+                request_id=request.request_id,
+                hints=self.hints_for(request),
             ):
                 if out.new_token_ids:
                     num_output += len(out.new_token_ids)
@@ -87,6 +93,10 @@ class AgentxEngine(EngineAdapter):
                     yield Done(num_output, out.num_cached_tokens)
         except AgentXError as exc:
             raise BenchEngineError(str(exc)) from exc
+
+    def hints_for(self, request: GenerateRequest) -> tuple:
+        """Hints sent with the request (none here; benchmarks of hint handling override it)."""
+        return ()
 
     async def close(self) -> None:
         if self.engine is not None:

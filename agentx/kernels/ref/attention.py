@@ -23,10 +23,16 @@ def write_kv(
     kv_cache[blocks, 1, offsets] = v
 
 
-def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """(2, len(block_table) * block_size, Hkv, D) for one request, or (2, B, L, Hkv, D)."""
-    kv = kv_cache[block_table].movedim(-4, 0)  # (2, [B,] nb, bs, Hkv, D)
-    return kv.flatten(-4, -3) if block_table.dim() == 1 else kv.flatten(2, 3)
+def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V, each (len(block_table) * block_size, Hkv, D) for one request or (B, L, Hkv, D).
+
+    Each strided half is indexed on its own: that yields contiguous blocks, so merging
+    (blocks, block_size) is a view and the context is copied once.
+    """
+    k = kv_cache[:, 0][block_table]  # ([B,] nb, bs, Hkv, D)
+    v = kv_cache[:, 1][block_table]
+    dim = block_table.dim() - 1
+    return k.flatten(dim, dim + 1), v.flatten(dim, dim + 1)
 
 
 def paged_attention(
@@ -47,7 +53,8 @@ def paged_attention(
         start, end = query_start_loc[i], query_start_loc[i + 1]
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
-        k, v = _gather(kv_cache, block_tables[i, :num_blocks])[:, :seq_len]  # (L, Hkv, D)
+        k, v = _gather(kv_cache, block_tables[i, :num_blocks])  # (L', Hkv, D)
+        k, v = k[:seq_len], v[:seq_len]
         out[start:end] = _prefill_one(q[start:end], k, v, scale, sliding_window)
     if decode_ids.numel():
         out[_decode_rows(query_start_loc, decode_ids)] = _decode_batch(

@@ -87,12 +87,13 @@ def main() -> None:
         )
     )
     stats = trace_stats(trace)
-    # working set: the largest context of each session, together
-    largest = {}
+    # working set: every distinct block of content the trace ever sends
+    distinct, largest = set(), 0
     for session, req in trace.iter_requests():
-        largest[session.session_id] = max(largest.get(session.session_id, 0), req.num_input_tokens)
-    working_set = sum(largest.values())
-    num_blocks = max(int(working_set / args.pool_ratio) // 16, args.max_context // 16 + 8)
+        distinct.update((session.scope, h) for h in req.hash_ids)
+        largest = max(largest, req.num_input_tokens + req.num_output_tokens)
+    working_set = len(distinct) * trace.block_size
+    num_blocks = max(int(working_set / args.pool_ratio) // 16, largest // 16 + 16)
     options = AgentxOptions(threads=args.threads, kv_cache_bytes=num_blocks * PAGE_BYTES)
     hints = next_think_times(trace, args.max_think)
     prompts = PromptBuilder(trace.block_size, TokenSpace.default())

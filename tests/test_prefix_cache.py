@@ -43,6 +43,7 @@ def test_last_token_is_always_recomputed():
     kv = make_manager(10)
     a = make_request("a", list(range(8)))
     kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8  # the step ran (the scheduler advances this)
     kv.free(a)
     b = make_request("b", list(range(8)))  # identical prompt: all 8 tokens are cached
     hit, n = kv.get_computed_blocks(b)
@@ -54,6 +55,7 @@ def test_hit_on_free_cached_blocks_revives_them():
     kv = make_manager(6)
     a = make_request("a", list(range(8)))
     kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
     kv.free(a)
     assert kv.pool.free_queue.get_block_ids() == [3, 4, 5, 2, 1]
     b = make_request("b", list(range(8)) + [50])
@@ -80,9 +82,11 @@ def test_eviction_is_lru_and_tail_first():
     kv = make_manager(7)  # 6 usable
     a = make_request("a", list(range(12)))  # blocks 1 2 3
     kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
     kv.free(a)  # free order: 3 2 1
     b = make_request("b", list(range(200, 208)))  # blocks 4 5
     kv.allocate_slots(b, 8)
+    b.num_computed_tokens = 8
     kv.free(b)  # free order: 5 4
     assert kv.pool.free_queue.get_block_ids() == [6, 3, 2, 1, 5, 4]
     c = make_request("c", list(range(300, 312)))  # needs 3: takes 6, then evicts 3, 2
@@ -149,3 +153,20 @@ def test_output_tokens_extend_the_hash_chain():
     b = make_request("b", list(range(6)) + [100, 101, 5])
     _, n = kv.get_computed_blocks(b)
     assert n == 8
+
+
+def test_blocks_published_but_never_computed_are_forgotten_on_free():
+    """A request preempted in the step that scheduled it published blocks its KV never
+    reached: they must not serve a later hit."""
+    kv = make_manager(10)
+    a = make_request("a", list(range(12)))
+    kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 4  # only the first block ran before the request was freed
+    assert len(kv.pool.cached) == 3
+    kv.free(a)
+    assert len(kv.pool.cached) == 1
+    assert kv.pool.free_queue.get_block_ids()[:2] == [2, 3]  # uncached: reused first
+    b = make_request("b", list(range(12)) + [5])
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 4 and ids(hit) == [1]
+    kv.check_integrity()

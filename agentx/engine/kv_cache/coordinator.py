@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash
-from agentx.engine.kv_cache.linear_state import LinearStateManager
+from agentx.engine.kv_cache.linear_state import LinearStateManager  # registers its spec
 from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.single_type import SingleTypeKVManager, make_manager
-from agentx.engine.kv_cache.specs import KVCacheLayout, LinearStateSpec
+from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
 
 GroupBlocks = tuple[list[KVBlock], ...]
@@ -33,10 +33,7 @@ class KVCacheCoordinator:
         self.block_size = layout.block_size
         self.pool = BlockPool(layout.num_blocks, enable_caching)
         self.managers: tuple[SingleTypeKVManager, ...] = tuple(
-            LinearStateManager(g.spec, self.pool, i, retention)
-            if isinstance(g.spec, LinearStateSpec)
-            else make_manager(g.spec, self.pool, i)
-            for i, g in enumerate(layout.groups)
+            make_manager(g.spec, self.pool, i, retention) for i, g in enumerate(layout.groups)
         )
         self.has_linear = any(isinstance(m, LinearStateManager) for m in self.managers)
 

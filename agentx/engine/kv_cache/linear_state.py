@@ -22,8 +22,12 @@ from collections.abc import Sequence
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.kv_cache.retention import CheckpointPlan, IntervalRetention, RetentionPolicy
-from agentx.engine.kv_cache.single_type import SingleTypeKVManager, _num_revived
-from agentx.engine.kv_cache.specs import KVCacheSpec
+from agentx.engine.kv_cache.single_type import (
+    SingleTypeKVManager,
+    _num_revived,
+    register_manager,
+)
+from agentx.engine.kv_cache.specs import KVCacheSpec, LinearStateSpec
 from agentx.engine.request import Request
 
 
@@ -158,3 +162,6 @@ class LinearStateManager(SingleTypeKVManager):
                 assert not blocks[-1].is_null, f"{rid}: no running state page"
             for index, _, _ in self.pending.get(rid, ()):
                 assert not blocks[index].is_null, f"{rid}: pending checkpoint {index} lost"
+
+
+register_manager(LinearStateSpec, LinearStateManager)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from agentx.engine.request import Request
 
@@ -27,7 +28,14 @@ class SingleTypeKVManager(ABC):
     ``allocate_new_blocks``; every method mutates only this manager and the pool.
     """
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int) -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pool: BlockPool,
+        group_id: int,
+        retention: RetentionPolicy | None = None,
+    ) -> None:
+        """``retention`` is for managers that checkpoint (linear state); others ignore it."""
         self.spec = spec
         self.block_size = spec.block_size
         self.pool = pool
@@ -153,7 +161,13 @@ class SlidingWindowManager(SingleTypeKVManager):
 
     spec: SlidingWindowSpec
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int) -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        pool: BlockPool,
+        group_id: int,
+        retention: RetentionPolicy | None = None,
+    ) -> None:
         super().__init__(spec, pool, group_id)
         assert isinstance(spec, SlidingWindowSpec)
         self.window = spec.sliding_window
@@ -207,10 +221,13 @@ def register_manager(spec_cls: type[KVCacheSpec], manager_cls: type[SingleTypeKV
 
 
 def make_manager(
-    spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs: object
+    spec: KVCacheSpec,
+    pool: BlockPool,
+    group_id: int,
+    retention: RetentionPolicy | None = None,
 ) -> SingleTypeKVManager:
     try:
         cls = _MANAGERS[type(spec)]
     except KeyError:
         raise TypeError(f"no KV manager registered for {type(spec).__name__}") from None
-    return cls(spec, pool, group_id, **kwargs)
+    return cls(spec, pool, group_id, retention)

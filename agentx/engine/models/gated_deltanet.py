@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentx import kernels
+from agentx.engine.models.blocks import RMSNorm
 from agentx.engine.models.forward_context import LinearStateMetadata, get_forward_context
 from agentx.engine.models.layers import ColumnParallelLinear, RowParallelLinear
 from agentx.engine.parallel import ParallelState
@@ -71,14 +72,8 @@ class CausalConv1d(nn.Module):
         self.weight.data.copy_(full.reshape(self.weight.shape))  # (C, 1, K) in checkpoints
 
 
-class GatedRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-
-    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
-        self.weight.data.copy_(full)
+class GatedRMSNorm(RMSNorm):
+    """A plain-weight RMSNorm whose output is multiplied by silu(gate)."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm_gated(x, gate, self.weight, self.eps)

@@ -134,19 +134,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-
-    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
-        self.weight.data.copy_(full)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE with a precomputed (max_position, head_dim) cos|sin table."""
 

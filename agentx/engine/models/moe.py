@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from agentx import kernels
-from agentx.engine.models.layers import ColumnParallelLinear, RowParallelLinear
+from agentx.engine.models.blocks import GatedMLP
 from agentx.engine.parallel import ParallelState
 from agentx.errors import ModelLoadError
 
@@ -34,21 +34,6 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight)
-
-
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
-
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, parallel: ParallelState, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        sizes = [intermediate_size, intermediate_size]
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, sizes, parallel, False, dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 _EXPERT_NAME = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj)\.weight")

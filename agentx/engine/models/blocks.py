@@ -1,0 +1,172 @@
+"""The blocks every architecture is assembled from: RMSNorm, attention, a gated MLP.
+
+    RMSNorm     x / rms(x) * scale; how the checkpoint's weight w becomes the scale is a
+                :class:`NormWeight` (w, or 1 + w folded at load, or 1 + w in fp32 per call)
+    Attention   qkv_proj -> [q | gate] per head? -> q/k RMSNorm? -> RoPE on the leading
+                rotary dims -> paged attention -> * sigmoid(gate)? -> o_proj
+    GatedMLP    down_proj(act(gate) * up), gate and up fused into gate_up_proj; act silu
+                (SwiGLU) or gelu_tanh (GeGLU)
+
+The projections are the parallel-aware layers of ``layers.py``, under the names the
+checkpoint-name resolution of ``base.py`` expects (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj``). Nothing here knows which architecture it serves.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from agentx import kernels
+from agentx.engine.models.attention import PagedAttention
+from agentx.engine.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear
+from agentx.engine.models.spec import ModelSpec
+from agentx.engine.parallel import ParallelState
+from agentx.errors import ModelLoadError
+
+
+class NormWeight(Enum):
+    """How an RMSNorm's checkpoint weight w scales the normalized x."""
+
+    PLAIN = "w"
+    # Gemma: 1 + w, computed in fp32 once at load and stored in the weight dtype; the forward
+    # pass is then the plain kernel.
+    OFFSET_AT_LOAD = "1 + w, folded at load"
+    # Qwen3-Next's zero-centered norm: w stored as is, x and 1 + w taken to fp32 on every call.
+    OFFSET_FP32 = "1 + w, in fp32 per call"
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        dtype: torch.dtype = torch.float32,
+        weight: NormWeight = NormWeight.PLAIN,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight_kind = weight
+        init = torch.zeros if weight is NormWeight.OFFSET_FP32 else torch.ones
+        self.weight = nn.Parameter(init(dim, dtype=dtype), requires_grad=False)
+
+    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
+        if self.weight_kind is NormWeight.OFFSET_AT_LOAD:
+            full = 1.0 + full.float()
+        self.weight.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_kind is NormWeight.OFFSET_FP32:
+            scale = 1.0 + self.weight.float()
+            return kernels.rms_norm(x.float(), scale, self.eps).to(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged KV cache, with the options the architectures differ by.
+
+    scale           score scale (default head_dim ** -0.5)
+    qk_norm         per-head RMSNorm of q and k before RoPE, with this weight kind (None: none)
+    sliding_window  tokens a query sees, itself included (None: all)
+    output_gate     q_proj yields [q | gate] per head, (H, 2D) rows, as one fused part so
+                    tensor parallel keeps heads whole; the output is o * sigmoid(gate)
+
+    RoPE rotates the first ``rotary_dim`` dims of each head, the width of ``rotary``'s table
+    (partial rotary when that is less than ``head_dim``); the rest passes through.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        parallel: ParallelState,
+        dtype: torch.dtype,
+        *,
+        scale: float | None = None,
+        qk_norm: NormWeight | None = None,
+        sliding_window: int | None = None,
+        output_gate: bool = False,
+    ) -> None:
+        super().__init__()
+        tp = parallel.tp_size
+        self.num_heads = spec.num_heads // tp
+        self.num_kv_heads = max(1, spec.num_kv_heads // tp)
+        self.head_dim = spec.head_dim
+        self.output_gate = output_gate
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        q_rows = 2 * q_size if output_gate else q_size
+        self.qkv_proj = ColumnParallelLinear(
+            spec.hidden_size, [q_rows, kv_size, kv_size], parallel, spec.attention_bias, dtype
+        )
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, qk_norm)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, qk_norm)
+        self.o_proj = RowParallelLinear(q_size, spec.hidden_size, parallel, dtype)
+        self.rotary = rotary
+        self.rotary_dim = rotary.cos_sin_cache.shape[-1]
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5 if scale is None else scale,
+            layer_id,
+            sliding_window=sliding_window,
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        if self.output_gate:
+            q_gate = q.view(-1, self.num_heads, 2 * self.head_dim)  # (T, H, 2D)
+            q, gate = q_gate.chunk(2, dim=-1)  # (T, H, D) each
+        else:
+            q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotate(positions, q, k)
+        o = self.attn(q, k, v)  # (T, H, D)
+        if self.output_gate:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o.flatten(1))
+
+    def _rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return self.rotary(positions, q, k)
+        q_rot, k_rot = self.rotary(positions, q[..., :r], k[..., :r])
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+
+# activation -> the kernel computing act(gate) * up from [gate | up]
+_ACT_AND_MUL = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused into one projection."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelState,
+        dtype: torch.dtype,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        if activation not in _ACT_AND_MUL:
+            known = ", ".join(_ACT_AND_MUL)
+            raise ModelLoadError(f"unknown MLP activation {activation!r} (known: {known})")
+        self.act_and_mul = getattr(kernels, _ACT_AND_MUL[activation])
+        sizes = [intermediate_size, intermediate_size]
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, sizes, parallel, False, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parallel, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

@@ -1,11 +1,12 @@
-"""The blocks every architecture is assembled from: RMSNorm, attention, a gated MLP.
+"""The blocks every architecture is assembled from: RMSNorm, attention, a gated MLP, a layer.
 
-    RMSNorm     x / rms(x) * scale; how the checkpoint's weight w becomes the scale is a
-                :class:`NormWeight` (w, or 1 + w folded at load, or 1 + w in fp32 per call)
-    Attention   qkv_proj -> [q | gate] per head? -> q/k RMSNorm? -> RoPE on the leading
-                rotary dims -> paged attention -> * sigmoid(gate)? -> o_proj
-    GatedMLP    down_proj(act(gate) * up), gate and up fused into gate_up_proj; act silu
-                (SwiGLU) or gelu_tanh (GeGLU)
+    RMSNorm       x / rms(x) * scale; how the checkpoint's weight w becomes the scale is a
+                  :class:`NormWeight` (w, or 1 + w folded at load, or 1 + w in fp32 per call)
+    Attention     qkv_proj -> [q | gate] per head? -> q/k RMSNorm? -> RoPE on the leading
+                  rotary dims -> paged attention -> * sigmoid(gate)? -> o_proj
+    GatedMLP      down_proj(act(gate) * up), gate and up fused into gate_up_proj; act silu
+                  (SwiGLU) or gelu_tanh (GeGLU)
+    DecoderLayer  x + mixer(RMSNorm(x)) -> x + mlp(RMSNorm(x)), around any token mixer and MLP
 
 The projections are the parallel-aware layers of ``layers.py``, under the names the
 checkpoint-name resolution of ``base.py`` expects (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
@@ -170,3 +171,32 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm block: x + mixer(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
+
+    The token mixer keeps its checkpoint name (``self_attn``, ``linear_attn``).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        mixer_name: str,
+        mixer: nn.Module,
+        mlp: nn.Module,
+        norm_weight: NormWeight = NormWeight.PLAIN,
+    ) -> None:
+        super().__init__()
+        hidden, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, norm_weight)
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, norm_weight)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        mixer = getattr(self, self.mixer_name)
+        x = x + mixer(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from agentx.engine.models.base import CausalLM
-from agentx.engine.models.blocks import Attention, GatedMLP, NormWeight, RMSNorm
+from agentx.engine.models.blocks import Attention, DecoderLayer, GatedMLP, NormWeight, RMSNorm
 from agentx.engine.models.layers import RotaryEmbedding
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.parallel import ParallelState
@@ -39,32 +38,15 @@ class Gemma3Config:
     local_rope_theta: float = 10_000.0  # RoPE base of sliding layers
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """Sandwich norms: each sublayer's input and output are normed, then added to the residual."""
+
     def __init__(
-        self,
-        spec: ModelSpec,
-        layer_id: int,
-        rotary: RotaryEmbedding,
-        parallel: ParallelState,
-        dtype: torch.dtype,
+        self, spec: ModelSpec, dtype: torch.dtype, self_attn: Attention, mlp: GatedMLP
     ) -> None:
-        super().__init__()
+        super().__init__(spec, dtype, "self_attn", self_attn, mlp, GEMMA_NORM)
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
-        sliding = spec.get_layer_type(layer_id) == "sliding_attention"
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, GEMMA_NORM)
-        self.self_attn = Attention(
-            spec,
-            layer_id,
-            rotary,
-            parallel,
-            dtype,
-            scale=spec.arch_config.query_pre_attn_scalar**-0.5,
-            qk_norm=GEMMA_NORM,
-            sliding_window=spec.sliding_window if sliding else None,
-        )
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, GEMMA_NORM)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype, GEMMA_NORM)
-        self.mlp = GatedMLP(hidden, spec.intermediate_size, parallel, dtype, "gelu_tanh")
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype, GEMMA_NORM)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +71,18 @@ class Gemma3ForCausalLM(CausalLM):
 
         def make_layer(i: int) -> Gemma3DecoderLayer:
             sliding = spec.get_layer_type(i) == "sliding_attention"
-            rotary = local_rotary if sliding else global_rotary
-            return Gemma3DecoderLayer(spec, i, rotary, parallel, dtype)
+            attn = Attention(
+                spec,
+                i,
+                local_rotary if sliding else global_rotary,
+                parallel,
+                dtype,
+                scale=spec.arch_config.query_pre_attn_scalar**-0.5,
+                qk_norm=GEMMA_NORM,
+                sliding_window=spec.sliding_window if sliding else None,
+            )
+            mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, parallel, dtype, "gelu_tanh")
+            return Gemma3DecoderLayer(spec, dtype, attn, mlp)
 
         super().__init__(spec, parallel, dtype, make_layer, GEMMA_NORM)
         # sqrt(hidden) rounded to the weights' dtype (bf16: 25.25 for 25.30), as Hugging Face does

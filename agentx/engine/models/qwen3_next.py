@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from agentx.engine.models.base import CausalLM
-from agentx.engine.models.blocks import Attention, GatedMLP, NormWeight, RMSNorm
+from agentx.engine.models.blocks import Attention, DecoderLayer, GatedMLP, NormWeight
 from agentx.engine.models.gated_deltanet import GatedDeltaNet, LinearStepPlanner
 from agentx.engine.models.layers import RotaryEmbedding
 from agentx.engine.models.moe import SparseMoeBlock
@@ -57,50 +56,38 @@ class Qwen3NextConfig:
         )
 
 
-class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        spec: ModelSpec,
-        layer_id: int,
-        rotary: RotaryEmbedding,
-        planner: LinearStepPlanner,
-        parallel: ParallelState,
-        dtype: torch.dtype,
-    ) -> None:
-        super().__init__()
-        config: Qwen3NextConfig = spec.arch_config
-        hidden, eps = spec.hidden_size, spec.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, ZERO_CENTERED)
-        # the token mixer keeps its checkpoint name: linear_attn or self_attn
-        if spec.get_layer_type(layer_id) == "linear_attention":
-            self.mixer_name = "linear_attn"
-            self.linear_attn = GatedDeltaNet(
-                hidden, config, eps, layer_id, planner, parallel, dtype
-            )
-        else:
-            self.mixer_name = "self_attn"
-            self.self_attn = Attention(
-                spec, layer_id, rotary, parallel, dtype, qk_norm=ZERO_CENTERED, output_gate=True
-            )
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, ZERO_CENTERED)
-        if config.is_moe_layer(layer_id):
-            self.mlp = SparseMoeBlock(
-                hidden,
-                config.num_experts,
-                config.num_experts_per_tok,
-                config.moe_intermediate_size,
-                config.shared_expert_intermediate_size,
-                config.norm_topk_prob,
-                parallel,
-                dtype,
-            )
-        else:
-            self.mlp = GatedMLP(hidden, spec.intermediate_size, parallel, dtype, "silu")
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        mixer = getattr(self, self.mixer_name)
-        x = x + mixer(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+def _make_layer(
+    spec: ModelSpec,
+    layer_id: int,
+    rotary: RotaryEmbedding,
+    planner: LinearStepPlanner,
+    parallel: ParallelState,
+    dtype: torch.dtype,
+) -> DecoderLayer:
+    config: Qwen3NextConfig = spec.arch_config
+    hidden = spec.hidden_size
+    if spec.get_layer_type(layer_id) == "linear_attention":
+        mixer_name = "linear_attn"
+        mixer = GatedDeltaNet(hidden, config, spec.rms_norm_eps, layer_id, planner, parallel, dtype)
+    else:
+        mixer_name = "self_attn"
+        mixer = Attention(
+            spec, layer_id, rotary, parallel, dtype, qk_norm=ZERO_CENTERED, output_gate=True
+        )
+    if config.is_moe_layer(layer_id):
+        mlp = SparseMoeBlock(
+            hidden,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.shared_expert_intermediate_size,
+            config.norm_topk_prob,
+            parallel,
+            dtype,
+        )
+    else:
+        mlp = GatedMLP(hidden, spec.intermediate_size, parallel, dtype, "silu")
+    return DecoderLayer(spec, dtype, mixer_name, mixer, mlp, ZERO_CENTERED)
 
 
 class Qwen3NextForCausalLM(CausalLM):
@@ -120,7 +107,7 @@ class Qwen3NextForCausalLM(CausalLM):
             spec,
             parallel,
             dtype,
-            lambda i: Qwen3NextDecoderLayer(spec, i, rotary, planner, parallel, dtype),
+            lambda i: _make_layer(spec, i, rotary, planner, parallel, dtype),
             ZERO_CENTERED,
         )
 

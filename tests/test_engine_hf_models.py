@@ -4,6 +4,7 @@ scaling) and Qwen2 (qkv bias, tied head) checkpoints give the transformers greed
 import pytest
 import torch
 import transformers
+from model_helpers import save_hf_folder, tiny_hf_config
 
 from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 
@@ -13,37 +14,12 @@ PROMPTS = [[1, 504, 3575, 282, 4649, 314], [17, 29, 30, 31] * 9, list(range(200,
 NUM_TOKENS = 24
 
 
-def tiny(config_class, **overrides):
-    return config_class(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.5,  # wide logits: no near-ties for fp32 rounding to flip
-        **overrides,
-    )
-
-
 def reference_greedy(model, prompt):
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         for _ in range(NUM_TOKENS):
             ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
     return ids[0, len(prompt) :].tolist()
-
-
-def save(folder, model, tokenizer):
-    model.save_pretrained(folder)
-    hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer.backend, bos_token="<|im_start|>", eos_token="<|im_end|>"
-    )
-    hf_tok.save_pretrained(folder)
 
 
 @pytest.mark.parametrize(
@@ -75,8 +51,10 @@ def test_hf_folder_greedy_matches_transformers(
     tmp_path, default_engine, config_class, model_class, overrides
 ):
     torch.manual_seed(0)
-    model = model_class(tiny(config_class, **overrides)).eval()
-    save(tmp_path, model, default_engine.tokenizer)
+    # wide logits (initializer_range 0.5): no near-ties for fp32 rounding to flip
+    hf_config = tiny_hf_config(config_class, initializer_range=0.5, **overrides)
+    model = model_class(hf_config).eval()
+    save_hf_folder(tmp_path, model, default_engine.tokenizer)
     expected = [reference_greedy(model, p) for p in PROMPTS]
     config = EngineConfig(
         model=tmp_path,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # a dev dependency: the reference
+from model_helpers import TOKENIZER_CORPUS
 
 from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 from agentx.engine.models.gemma3 import Gemma3Config
@@ -52,15 +53,7 @@ PROMPTS = [
     _code(40),
 ]
 CORPUS = [
-    "Hello, world! This is a test of the tokenizer.",
-    "I'm sure they'll say it's fine, don't you think? We've SEEN it.",
-    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-    "\tif (x) {\n\t\treturn y;\n\t}\n\t\t\n",
-    "Numbers: 12345, 3.14159, -42, 1,000,000 and 2024-01-31 at 09:30.",
-    "café naïve résumé Ångström ß Ω ∑ ∞ ≠ →",
-    "emoji 😀👍🏽🇺🇸 ❤️ and CJK 你好，世界！日本語のテキスト 한국어",
-    "multiple   spaces\n\n\nand newlines   \n  trailing  ",
-    " leading space",
+    *TOKENIZER_CORPUS,
     "                                        forty spaces",
     "",
     "<start_of_turn>user\nhi<end_of_turn>\n<table><tr>x</tr></table> <bos>",

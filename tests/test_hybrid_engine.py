@@ -4,7 +4,7 @@ across forks; hits on turn 2 onwards come from linear-state checkpoints (none wi
 
 import pytest
 import torch
-from test_qwen3_next import VOCAB, save_folder, tiny_hf_model
+from model_helpers import random_tokens, save_qwen3_next_folder, tiny_qwen3_next
 
 from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 
@@ -13,9 +13,9 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf_and_folder(tmp_path_factory):
-    hf = tiny_hf_model()
+    hf = tiny_qwen3_next()
     folder = tmp_path_factory.mktemp("qwen3-next-engine")
-    save_folder(folder, hf)
+    save_qwen3_next_folder(folder, hf)
     return hf, folder
 
 
@@ -44,10 +44,6 @@ def engines(hf_and_folder):
         engine.close()
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def run(engine, prompt, **kw):
     return engine.add_request(prompt, GREEDY, **kw).result(timeout=120)
 
@@ -65,7 +61,7 @@ def test_layout_puts_linear_and_attention_layers_in_one_pool(engines):
 
 def test_greedy_equals_transformers_with_chunked_prefill(hf_and_folder, engines):
     hf, _ = hf_and_folder
-    prompt = tokens(90, seed=1)
+    prompt = random_tokens(90, seed=1)
     with torch.inference_mode():
         expected = hf.generate(
             torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
@@ -79,7 +75,7 @@ def test_greedy_equals_transformers_with_chunked_prefill(hf_and_folder, engines)
 @pytest.mark.parametrize("policy", ["marconi", "interval"])
 def test_ten_turns_hit_checkpoints_and_match_cold(engines, policy):
     engine, cold = engines(policy), engines("cold")
-    prompt = tokens(40, seed=2)
+    prompt = random_tokens(40, seed=2)
     for turn in range(10):
         gen = run(engine, prompt)
         assert gen.token_ids == run(cold, prompt).token_ids, f"turn {turn}"
@@ -88,28 +84,28 @@ def test_ten_turns_hit_checkpoints_and_match_cold(engines, policy):
         else:
             # the rolling checkpoint of the previous turn (marconi) / its prompt end (interval)
             assert gen.usage.cached_tokens >= 32, f"turn {turn}: {gen.usage}"
-        prompt = prompt + gen.token_ids + tokens(7, seed=100 + turn)
+        prompt = prompt + gen.token_ids + random_tokens(7, seed=100 + turn)
     engine.check_integrity()
 
 
 def test_without_checkpoints_a_hybrid_gets_no_hits(engines):
     engine = engines("none")
-    prompt = tokens(40, seed=3)
+    prompt = random_tokens(40, seed=3)
     for _ in range(3):
         gen = run(engine, prompt)
         assert gen.usage.cached_tokens == 0
-        prompt = prompt + gen.token_ids + tokens(5, seed=7)
+        prompt = prompt + gen.token_ids + random_tokens(5, seed=7)
 
 
 def test_held_forks_continue_their_own_linear_state(engines):
     engine, cold = engines("marconi"), engines("cold")
-    parent_prompt = tokens(37, seed=4)
+    parent_prompt = random_tokens(37, seed=4)
     stream = engine.add_request(parent_prompt, GREEDY, retain_kv=True)
     parent = stream.result(timeout=120)
     handles = engine.fork_kv(stream.request_id, 3)
     assert len(handles) == 3
     base = parent_prompt + parent.token_ids
-    children = [base + tokens(5, seed=10 + i) for i in range(3)]
+    children = [base + random_tokens(5, seed=10 + i) for i in range(3)]
     pairs = zip(children, handles, strict=True)
     streams = [engine.add_request(c, GREEDY, extends=h) for c, h in pairs]
     for child, s in zip(children, streams, strict=True):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers  # a dev dependency: the reference
+from model_helpers import save_hf_folder, tiny_hf_config
 
 from agentx.engine.models import loader as loader_module
 from agentx.engine.models.loader import Checkpoint, load_checkpoint
@@ -311,41 +312,12 @@ def smollm_tokenizer(model_path: Path) -> Tokenizer:
     return Tokenizer.from_gguf(model_path)
 
 
-def _save_folder(
-    folder: Path, model: torch.nn.Module, tokenizer: Tokenizer, **save_kwargs: object
-) -> None:
-    model.save_pretrained(folder, **save_kwargs)
-    hf_tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer.backend,
-        bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token,
-    )
-    hf_tokenizer.chat_template = tokenizer.chat_template
-    hf_tokenizer.save_pretrained(folder)
-
-
-def _tiny_config(config_class: type, **overrides: object) -> object:
-    return config_class(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        **overrides,
-    )
-
-
 @pytest.mark.slow
 def test_hf_llama_folder_round_trip(tmp_path: Path, smollm_tokenizer: Tokenizer) -> None:
     torch.manual_seed(0)
-    config = _tiny_config(transformers.LlamaConfig, tie_word_embeddings=False)
+    config = tiny_hf_config(transformers.LlamaConfig, tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(config).eval()
-    _save_folder(tmp_path, model, smollm_tokenizer)
+    save_hf_folder(tmp_path, model, smollm_tokenizer)
 
     checkpoint = load_checkpoint(tmp_path)
     reference = model.state_dict()
@@ -381,9 +353,9 @@ def test_hf_llama_folder_round_trip(tmp_path: Path, smollm_tokenizer: Tokenizer)
 @pytest.mark.slow
 def test_hf_qwen2_sharded_folder(tmp_path: Path, smollm_tokenizer: Tokenizer) -> None:
     torch.manual_seed(0)
-    config = _tiny_config(transformers.Qwen2Config, tie_word_embeddings=True, rope_theta=1e6)
+    config = tiny_hf_config(transformers.Qwen2Config, tie_word_embeddings=True, rope_theta=1e6)
     model = transformers.Qwen2ForCausalLM(config).eval()
-    _save_folder(tmp_path, model, smollm_tokenizer, max_shard_size="2MB")
+    save_hf_folder(tmp_path, model, smollm_tokenizer, max_shard_size="2MB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
 
     checkpoint = load_hf_folder(tmp_path, dtype=torch.bfloat16)

@@ -7,9 +7,8 @@ points, forks from a checkpoint, decode steps, mixed flat batches, greedy genera
 import copy
 
 import pytest
-import tokenizers
 import torch
-import transformers
+from model_helpers import random_tokens, save_qwen3_next_folder, tiny_qwen3_next
 from paged_harness import Harness, Seq
 
 from agentx.engine.models.loader.safetensors import load_hf_folder, read_hf_spec
@@ -18,68 +17,15 @@ from agentx.engine.models.registry import get_model_class
 from agentx.engine.parallel import ParallelState
 from agentx.errors import ModelLoadError
 
-VOCAB = 384
 ATOL = 2e-4
-
-
-def tiny_hf_model() -> transformers.Qwen3NextForCausalLM:
-    config = transformers.Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=24,
-        linear_num_key_heads=2,
-        linear_num_value_heads=6,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        num_experts=6,
-        num_experts_per_tok=2,
-        mlp_only_layers=[2],
-        max_position_embeddings=512,
-        layer_types=[
-            "linear_attention",
-            "full_attention",
-            "linear_attention",
-            "linear_attention",
-            "full_attention",
-        ],
-        rms_norm_eps=1e-6,
-        initializer_range=0.15,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
-    with torch.no_grad():  # norms start at 0 (or 1): give every weight a value to get wrong
-        for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias")):
-                param.add_(torch.randn_like(param) * 0.3)
-    return model
-
-
-def save_folder(folder, model) -> None:
-    model.save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    hf_tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="t1", eos_token="t2"
-    )
-    hf_tokenizer.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(transformers model, agentx model) on the same weights."""
-    hf = tiny_hf_model()
+    hf = tiny_qwen3_next()
     folder = tmp_path_factory.mktemp("qwen3-next")
-    save_folder(folder, hf)
+    save_qwen3_next_folder(folder, hf)
     checkpoint = load_hf_folder(folder)
     model = get_model_class(checkpoint.spec.architecture)(checkpoint.spec, ParallelState())
     model.load_weights(checkpoint.weights)
@@ -89,10 +35,6 @@ def models(tmp_path_factory):
 def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return hf(torch.tensor([token_ids])).logits[0]  # (T, vocab)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def test_spec_from_config(models):
@@ -128,14 +70,14 @@ def test_spec_from_config(models):
 @pytest.mark.parametrize("num_tokens", [1, 15, 63, 150])
 def test_prefill_logits(models, num_tokens):
     hf, model = models
-    ids = prompt(num_tokens, seed=num_tokens)
+    ids = random_tokens(num_tokens, seed=num_tokens)
     (logits,) = Harness(model).step([(Seq(), ids, ())])
     torch.testing.assert_close(logits, hf_logits(hf, ids), atol=ATOL, rtol=ATOL)
 
 
 def test_chunked_prefill_with_save_points_and_fork(models):
     hf, model = models
-    ids = prompt(100, seed=7)
+    ids = random_tokens(100, seed=7)
     harness = Harness(model)
     seq = Seq()
     chunks = [(13, ()), (1, ()), (35, (2, 18)), (1, ()), (50, (14, 30))]  # saves at 16, 32, 64, 80
@@ -152,7 +94,7 @@ def test_chunked_prefill_with_save_points_and_fork(models):
     # every checkpoint resumes: a fork continues with other tokens from there
     for at in sorted(seq.checkpoints):
         fork = harness.fork(seq, at)
-        tail = prompt(9, seed=at)
+        tail = random_tokens(9, seed=at)
         (logits,) = harness.step([(fork, tail, ())])
         torch.testing.assert_close(
             logits, hf_logits(hf, ids[:at] + tail)[at:], atol=ATOL, rtol=ATOL
@@ -163,7 +105,7 @@ def test_decode_steps_after_prefill(models):
     hf, model = models
     harness = Harness(model)
     seq = Seq()
-    ids = prompt(37, seed=3)
+    ids = random_tokens(37, seed=3)
     (logits,) = harness.step([(seq, ids, ())])
     for _ in range(6):
         ids = ids + [int(logits[-1].argmax())]
@@ -176,7 +118,9 @@ def test_mixed_batch(models):
     hf, model = models
     harness = Harness(model)
     a, b, c = Seq(), Seq(), Seq()
-    pa, pb, pc, pd = prompt(31, 11), prompt(33, 12), prompt(70, 13), prompt(15, 14)
+    pa, pb, pc, pd = (
+        random_tokens(n, seed) for n, seed in ((31, 11), (33, 12), (70, 13), (15, 14))
+    )
     harness.step([(a, pa, ()), (b, pb, (16, 32)), (c, pc[:40], ())])
     d = harness.fork(b, 32)
     work = [
@@ -202,7 +146,7 @@ def test_mixed_batch(models):
 
 def test_greedy_generation_matches_transformers(models):
     hf, model = models
-    prompts = [prompt(5, 21), prompt(47, 22), prompt(16, 23)]
+    prompts = [random_tokens(5, 21), random_tokens(47, 22), random_tokens(16, 23)]
     num_new = 32
     expected = []
     with torch.inference_mode():
@@ -297,7 +241,7 @@ def test_bf16_runs_with_fp32_states(models):
     low.load_weights({k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()})
     harness = Harness(low)
     seq = Seq()
-    ids = prompt(40, 31)
+    ids = random_tokens(40, 31)
     (logits,) = harness.step([(seq, ids, (16, 32))])
     (step,) = harness.step([(seq, [9], ())])
     ours = torch.cat((logits, step))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 import transformers  # a dev dependency: the reference
+from model_helpers import TOKENIZER_CORPUS
 
 from agentx.engine.models import tokenizer_gguf as tokenizer_module
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
@@ -20,15 +21,7 @@ CHAT_TEXT = (
     "<|im_start|>user\nHi there, 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
 )
 CORPUS = [
-    "Hello, world! This is a test of the tokenizer.",
-    "I'm sure they'll say it's fine, don't you think? We've SEEN it.",
-    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-    "\tif (x) {\n\t\treturn y;\n\t}\n\t\t\n",
-    "Numbers: 12345, 3.14159, -42, 1,000,000 and 2024-01-31 at 09:30.",
-    "café naïve résumé Ångström ß Ω ∑ ∞ ≠ →",
-    "emoji 😀👍🏽🇺🇸 ❤️ and CJK 你好，世界！日本語のテキスト 한국어",
-    "multiple   spaces\n\n\nand newlines   \n  trailing  ",
-    " leading space",
+    *TOKENIZER_CORPUS,
     "",
     CHAT_TEXT,
     "text<|im_end|>more<|endoftext|><repo_name>x",

@@ -1,11 +1,13 @@
-"""Builders shared by the model tests: tiny random transformers checkpoints saved as Hugging Face
-folders, and the text corpus the tokenizer tests encode."""
+"""Builders shared by the model tests: a tiny Llama spec, tiny random transformers checkpoints
+saved as Hugging Face folders, and the text corpus the tokenizer tests encode."""
 
 from pathlib import Path
 
 import tokenizers
 import torch
 import transformers
+
+from agentx.engine.models.spec import ModelSpec
 
 # Text every tokenizer must round-trip: punctuation, code, numbers, accents, emoji, CJK,
 # runs of spaces and newlines, a leading space. Each tokenizer test adds its own special cases.
@@ -22,7 +24,23 @@ TOKENIZER_CORPUS = [
 ]
 
 
-# --- tiny Llama-family checkpoints on the default model's vocabulary ------------------------------
+# --- tiny Llama-family models ------------------------------------------------------------------
+
+# One layer, 2 query heads sharing 1 KV head of 8 dims, a 32-token vocabulary, tied head.
+TINY_LLAMA_SPEC = ModelSpec(
+    architecture="llama",
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10_000.0,
+    max_position=64,
+    tie_word_embeddings=True,
+)
 
 
 def tiny_hf_config(config_class: type, **overrides: object) -> object:

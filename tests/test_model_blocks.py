@@ -3,30 +3,17 @@ partial rotary, and the causal-LM shell's checkpoint-name resolution and coverag
 
 import pytest
 import torch
+from model_helpers import TINY_LLAMA_SPEC
 from torch import nn
 
 from agentx import kernels
 from agentx.engine.models.blocks import Attention, GatedMLP, NormWeight, RMSNorm
 from agentx.engine.models.layers import RotaryEmbedding
 from agentx.engine.models.llama import LlamaForCausalLM
-from agentx.engine.models.spec import ModelSpec
 from agentx.engine.parallel import ParallelState
 from agentx.errors import ModelLoadError
 
-SPEC = ModelSpec(
-    architecture="llama",
-    vocab_size=32,
-    hidden_size=16,
-    intermediate_size=24,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    rms_norm_eps=1e-6,
-    rope_theta=10_000.0,
-    max_position=64,
-    tie_word_embeddings=True,
-)
+SPEC = TINY_LLAMA_SPEC
 
 
 def test_rms_norm_weight_kinds() -> None:

@@ -209,7 +209,9 @@ class ParallelLMHead(QuantizableLinear):
         self._init_quant(1)
 
     def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
-        rows = full.narrow(0, self.vocab_start, min(self.shard_size, full.shape[0] - self.vocab_start))
+        rows = full.narrow(
+            0, self.vocab_start, min(self.shard_size, full.shape[0] - self.vocab_start)
+        )
         if isinstance(rows, QuantizedTensor) and rows.shape[0] < self.shard_size:
             rows = rows.dequantize(self.weight.dtype)  # a padded last shard stays float
         self._load_part(0, 0, rows)

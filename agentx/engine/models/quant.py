@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 __all__ = ["QuantizedTensor"]
 
 GROUP = 32

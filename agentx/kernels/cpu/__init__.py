@@ -45,13 +45,22 @@ def paged_attention(
     if prefill_ids:
         no_decodes = torch.empty(0, dtype=torch.long)
         out = _ref_attention.paged_attention(
-            q, kv_cache, query_start_loc, seq_lens, block_tables, no_decodes, prefill_ids,
-            scale, sliding_window,
+            q,
+            kv_cache,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            no_decodes,
+            prefill_ids,
+            scale,
+            sliding_window,
         )
     if decode_ids.numel():
         rows = torch.tensor(query_start_loc[:-1], dtype=torch.long)[decode_ids]
         lens = torch.tensor(seq_lens, dtype=torch.long)[decode_ids]
-        out[rows] = _decode(q[rows], kv_cache, block_tables[decode_ids], lens, scale, sliding_window)
+        out[rows] = _decode(
+            q[rows], kv_cache, block_tables[decode_ids], lens, scale, sliding_window
+        )
     return out
 
 

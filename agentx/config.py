@@ -16,6 +16,7 @@ from agentx.errors import ConfigError
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _POLICIES = ("fcfs", "priority")
+_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,10 @@ class EngineConfig:
     # otherwise a path to a .gguf file or a Hugging Face folder.
     model: str | os.PathLike | None = None
     dtype: str = "float32"
+    # How linear weights are kept (engine/models/quant.py): "auto" keeps a GGUF checkpoint's
+    # own Q4_1 / Q8_0 matrices quantized (int4 / int8 kernels, int8 activations) and floats as
+    # floats; "int8" / "int4" quantize float weights too; "none" computes everything in ``dtype``.
+    quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length
     num_threads: int | None = None  # torch intra-op threads on CPU; None: every core
@@ -125,6 +130,10 @@ class EngineConfig:
             raise ConfigError(f"model must be a path or None, got {self.model!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:

@@ -7,7 +7,7 @@ call (not at import), so tests can change them with ``monkeypatch``.
 Variables:
     AGENTX_CACHE_DIR   root folder for files agentx derives and keeps between runs (built
                        tokenizers, ...); default ``~/.cache/agentx``.
-    AGENTX_KERNELS     kernel backend: ``auto`` (default), ``ref`` or ``triton``.
+    AGENTX_KERNELS     kernel backend: ``auto`` (default), ``ref``, ``cpu`` or ``triton``.
     AGENTX_PEERS_DIR   peer engines' venvs and converted models (``benchmarks/peers``), used by
                        ``agentx bench``; default ``~/.cache/agentx/peers``.
 
@@ -24,7 +24,7 @@ from agentx.errors import ConfigError
 
 __all__ = ["apply_cpu_defaults", "cache_dir", "kernel_backend", "peers_dir"]
 
-_KERNEL_BACKENDS = ("auto", "ref", "triton")
+_KERNEL_BACKENDS = ("auto", "ref", "cpu", "triton")
 
 
 def cache_dir() -> Path:

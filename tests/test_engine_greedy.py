@@ -1,5 +1,7 @@
-"""Greedy output equals the transformers reference, and stays identical under batching,
-prefix-cache hits, chunked prefill and preemption (fp32, the real default model)."""
+"""Greedy output stays identical under batching, prefix-cache hits, chunked prefill and
+preemption, on the real default model, in both weight modes: ``quantization="none"`` (fp32,
+which must also equal the transformers reference) and the default ``"auto"`` (the GGUF's own
+Q4_1 / Q8_0 weights through the int4 / int8 kernels; its reference is each prompt run alone)."""
 
 import pytest
 import torch
@@ -12,8 +14,23 @@ NUM_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", params=["none", "auto"])
+def quantization(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference_tokens(greedy_prompts):
+def engine(quantization, make_engine_module):
+    return make_engine_module(quantization=quantization)
+
+
+@pytest.fixture(scope="module")
+def make_engine_q(quantization, make_engine_module):
+    return lambda **kw: make_engine_module(quantization=quantization, **kw)
+
+
+@pytest.fixture(scope="module")
+def transformers_tokens(greedy_prompts):
     """64 greedy tokens per prompt from transformers' own Llama on the same GGUF weights."""
     from transformers import AutoModelForCausalLM
 
@@ -41,22 +58,36 @@ def run_alone(engine, prompts):
     return [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
 
 
-def test_greedy_matches_transformers(default_engine, greedy_prompts, reference_tokens):
-    got = run_alone(default_engine, greedy_prompts)
-    for prompt, mine, ref in zip(greedy_prompts, got, reference_tokens, strict=True):
-        assert mine == ref, f"prompt {prompt[:8]}..."
-    default_engine.check_integrity()
+@pytest.fixture(scope="module")
+def reference_tokens(quantization, engine, greedy_prompts, transformers_tokens):
+    """fp32: transformers' tokens (checked against each prompt alone by the first test);
+    quantized: each prompt alone through the engine."""
+    return transformers_tokens if quantization == "none" else run_alone(engine, greedy_prompts)
 
 
-def test_batched_equals_alone(default_engine, greedy_prompts, reference_tokens):
-    gens = default_engine.generate(greedy_prompts, GREEDY)
+def test_alone_matches_reference(quantization, engine, greedy_prompts, transformers_tokens):
+    got = run_alone(engine, greedy_prompts)
+    if quantization == "none":
+        for prompt, mine, ref in zip(greedy_prompts, got, transformers_tokens, strict=True):
+            assert mine == ref, f"prompt {prompt[:8]}..."
+    else:
+        # the int8-activation math is not the fp32 math: a greedy run may take another path at
+        # a near tie (docs/BENCHMARKS.md has the agreement); 4 of the 5 first tokens agree
+        agree = [mine[0] == ref[0] for mine, ref in zip(got, transformers_tokens, strict=True)]
+        assert sum(agree) >= 4, agree
+        assert got == run_alone(engine, greedy_prompts)  # and it is deterministic
+    engine.check_integrity()
+
+
+def test_batched_equals_alone(engine, greedy_prompts, reference_tokens):
+    gens = engine.generate(greedy_prompts, GREEDY)
     assert [g.token_ids for g in gens] == reference_tokens
-    default_engine.check_integrity()
-    assert default_engine.stats().kv_num_used_blocks == 0
+    engine.check_integrity()
+    assert engine.stats().kv_num_used_blocks == 0
 
 
-def test_prefix_cache_hit_keeps_tokens(make_engine, greedy_prompts, reference_tokens):
-    engine = make_engine()
+def test_prefix_cache_hit_keeps_tokens(make_engine_q, greedy_prompts, reference_tokens):
+    engine = make_engine_q()
     cold = engine.generate(greedy_prompts, GREEDY)
     assert all(g.usage.cached_tokens == 0 for g in cold)
     warm = engine.generate(greedy_prompts, GREEDY)
@@ -74,8 +105,8 @@ def test_prefix_cache_hit_keeps_tokens(make_engine, greedy_prompts, reference_to
     engine.check_integrity()
 
 
-def test_chunked_prefill_threshold_16(make_engine, greedy_prompts, reference_tokens):
-    engine = make_engine(scheduler=SchedulerConfig(long_prefill_token_threshold=16))
+def test_chunked_prefill_threshold_16(make_engine_q, greedy_prompts, reference_tokens):
+    engine = make_engine_q(scheduler=SchedulerConfig(long_prefill_token_threshold=16))
     gens = engine.generate(greedy_prompts, GREEDY)
     assert [g.token_ids for g in gens] == reference_tokens
     # the 37-token chat prompt alone needs 3 steps at 16 tokens a step before its first token
@@ -83,9 +114,9 @@ def test_chunked_prefill_threshold_16(make_engine, greedy_prompts, reference_tok
     engine.check_integrity()
 
 
-def test_preemption_keeps_tokens(make_engine, greedy_prompts, reference_tokens):
+def test_preemption_keeps_tokens(make_engine_q, greedy_prompts, reference_tokens):
     # 24 usable blocks of 16 tokens = 384 tokens; five requests need ~5 * 6 blocks at the end
-    engine = make_engine(cache=CacheConfig(num_blocks=25))
+    engine = make_engine_q(cache=CacheConfig(num_blocks=25))
     gens = engine.generate(greedy_prompts, GREEDY)
     assert engine.stats().num_preemptions > 0
     assert [g.token_ids for g in gens] == reference_tokens

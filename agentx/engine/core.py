@@ -78,7 +78,9 @@ class EngineCore:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        checkpoint = load_checkpoint(config.model, DTYPES[config.dtype])
+        checkpoint = load_checkpoint(
+            config.model, DTYPES[config.dtype], keep_quantized=config.quantization != "none"
+        )
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.spec = checkpoint.spec
         self.runner = ModelRunner(config, checkpoint.spec, checkpoint.weights)

@@ -1,20 +1,58 @@
 """Device ops behind one dispatch.
 
-``ref`` (PyTorch, runs on CPU, ground truth) and, later, ``triton`` (GPU) export the same
-functions with the same signatures. ``AGENTX_KERNELS=auto|ref|triton`` picks the backend once,
-at import; ``auto`` means ref until a GPU backend exists for the op.
+``ref`` (PyTorch, runs on CPU, ground truth), ``cpu`` (compiled C++ for AVX2 CPUs: quantized
+linear layers and paged decode attention) and, later, ``triton`` (GPU) export the same functions
+with the same signatures. ``AGENTX_KERNELS=auto|ref|cpu|triton`` picks the backend, read once at
+import; ``auto`` uses ``cpu`` for the ops it has when it builds and loads here, else ``ref``.
+The C++ library is built and loaded on the first call of one of its ops (or by
+:func:`prepare`), not at import, so ``import agentx`` stays cheap.
 """
 
 from __future__ import annotations
 
 from agentx import env
 from agentx.errors import ConfigError
+from agentx.kernels import cpu as _cpu
 from agentx.kernels import ref as _ref
+from agentx.kernels.ref import quant as _ref_quant
 
 BACKEND = env.kernel_backend()
 if BACKEND == "triton":
-    raise ConfigError("AGENTX_KERNELS=triton: the Triton backend is not built yet; use auto or ref")
+    raise ConfigError(
+        "AGENTX_KERNELS=triton: the Triton backend is not built yet; use auto, cpu or ref"
+    )
 
+
+def cpu_kernels_enabled() -> bool:
+    """Whether the compiled CPU kernels serve their ops (builds them on the first call)."""
+    if BACKEND == "ref":
+        return False
+    if _cpu.available():
+        return True
+    if BACKEND == "cpu":
+        raise ConfigError("AGENTX_KERNELS=cpu: the compiled CPU kernels are unavailable here")
+    return False
+
+
+def prepare() -> bool:
+    """Build / load the compiled kernels now (the engine calls it at start)."""
+    return cpu_kernels_enabled()
+
+
+def quantized_linear(x, qweight, scale, mins, bias, bits):  # noqa: ANN001, ANN201 (ref's)
+    backend = _cpu if cpu_kernels_enabled() else _ref_quant
+    return backend.quantized_linear(x, qweight, scale, mins, bias, bits)
+
+
+def paged_attention(q, kv_cache, *args, **kwargs):  # noqa: ANN001, ANN201, ANN002, ANN003
+    use_cpu = (
+        q.device.type == "cpu" and kv_cache.shape[-1] in (64, 128, 256) and cpu_kernels_enabled()
+    )
+    backend = _cpu if use_cpu else _ref
+    return backend.paged_attention(q, kv_cache, *args, **kwargs)
+
+
+pack_quantized_weight = _ref_quant.pack_weight
 apply_rotary = _ref.apply_rotary
 causal_conv1d = _ref.causal_conv1d
 conv_window = _ref.conv_window
@@ -22,7 +60,6 @@ gated_delta_rule_chunked = _ref.gated_delta_rule_chunked
 gated_delta_rule_recurrent = _ref.gated_delta_rule_recurrent
 gelu_tanh_and_mul = _ref.gelu_tanh_and_mul
 moe_experts = _ref.moe_experts
-paged_attention = _ref.paged_attention
 rms_norm = _ref.rms_norm
 rms_norm_gated = _ref.rms_norm_gated
 silu_and_mul = _ref.silu_and_mul
@@ -34,11 +71,15 @@ __all__ = [
     "apply_rotary",
     "causal_conv1d",
     "conv_window",
+    "cpu_kernels_enabled",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",
     "moe_experts",
+    "pack_quantized_weight",
     "paged_attention",
+    "prepare",
+    "quantized_linear",
     "rms_norm",
     "rms_norm_gated",
     "silu_and_mul",

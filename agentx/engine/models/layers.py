@@ -6,6 +6,10 @@ Each layer owns only its shard and knows how to cut its shard out of a full chec
     ColumnParallelLinear   output features split across ranks (no communication)
     RowParallelLinear      input features split; partial outputs all-reduced
     VocabParallelEmbedding vocabulary rows split; lookups outside the shard give zeros, summed
+
+Linear layers accept float or :class:`QuantizedTensor` checkpoint tensors; after loading,
+``finalize_weights(mode)`` fixes how the weight is kept (see ``quant.py``): a quantized layer
+drops its float ``weight`` for packed ``qweight`` / ``qscale`` / ``qmin`` buffers.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from agentx import kernels
+from agentx.engine.models.quant import QuantizedTensor
 from agentx.engine.models.spec import RopeScaling
 from agentx.engine.parallel import ParallelState
 
@@ -39,7 +44,66 @@ def _shard(full: torch.Tensor, dim: int, parallel: ParallelState) -> torch.Tenso
     return full.narrow(dim, parallel.tp_rank * size, size)
 
 
-class ColumnParallelLinear(nn.Module):
+class QuantizableLinear(nn.Module):
+    """y = x W^T (+ b) with W as float ``weight`` or, once finalized quantized, packed buffers.
+
+    Subclasses fill ``weight`` rows part by part (fused q/k/v or gate/up) through
+    :meth:`_load_part`; quantized parts wait in ``_quant_parts`` until :meth:`finalize_weights`.
+    """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    bits: int = 0  # 0: float weight; 4 / 8: packed quantized weight
+
+    def _init_quant(self, num_parts: int) -> None:
+        self.num_parts = num_parts
+        self._quant_parts: dict[int, QuantizedTensor] = {}
+
+    def _load_part(self, part: int, offset: int, shard: torch.Tensor | QuantizedTensor) -> None:
+        if isinstance(shard, QuantizedTensor):
+            self._quant_parts[part] = shard
+            return
+        self.weight.data.narrow(0, offset, shard.shape[0]).copy_(shard)
+
+    def _part_offsets(self) -> list[int]:
+        return [0]
+
+    def finalize_weights(self, mode: str, kernels_ready: bool) -> None:
+        """Decide once how the weight is kept (module docstring of ``quant.py``)."""
+        parts, self._quant_parts = self._quant_parts, {}
+        out_features, in_features = self.weight.shape
+        tiles = out_features % 8 == 0 and in_features % 32 == 0
+        whole = len(parts) == self.num_parts and len({p.bits for p in parts.values()}) == 1
+        if mode != "none" and tiles and whole and (kernels_ready or mode != "auto"):
+            self._pack(QuantizedTensor.cat([parts[i] for i in range(self.num_parts)]))
+            return
+        offsets = self._part_offsets()
+        for part, quantized in parts.items():
+            self._load_part(part, offsets[part], quantized.dequantize(self.weight.dtype))
+        if mode in ("int8", "int4") and tiles:
+            self._pack(QuantizedTensor.from_float(self.weight.data, 8 if mode == "int8" else 4))
+
+    def _pack(self, quantized: QuantizedTensor) -> None:
+        qweight, scale, mins = kernels.pack_quantized_weight(
+            quantized.q, quantized.scale, quantized.mins, quantized.bits
+        )
+        self.in_features = quantized.shape[1]
+        del self.weight
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("qscale", scale)
+        self.register_buffer("qmin", mins)
+        self.bits = quantized.bits
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.bits:
+            return nn.functional.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features).float()
+        bias = None if self.bias is None else self.bias.float()
+        y = kernels.quantized_linear(rows, self.qweight, self.qscale, self.qmin, bias, self.bits)
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """y = x W^T (+ b), W split by output rows. ``output_sizes`` names the fused parts
     (e.g. q, k, v), each split on its own so a rank gets its slice of every part."""
 
@@ -59,18 +123,24 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
         )
+        self._init_quant(len(output_sizes))
 
-    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
-        target = self.weight if name == "weight" else self.bias
-        offset = sum(self.output_sizes[:part])
+    def _part_offsets(self) -> list[int]:
+        return [sum(self.output_sizes[:part]) for part in range(len(self.output_sizes))]
+
+    def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
+        offset = self._part_offsets()[part]
+        if name == "weight":
+            self._load_part(part, offset, _shard(full, 0, self.parallel))
+            return
         size = self.output_sizes[part]
-        target.data.narrow(0, offset, size).copy_(_shard(full, 0, self.parallel))
+        self.bias.data.narrow(0, offset, size).copy_(_shard(full, 0, self.parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return self._matmul(x)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     def __init__(
         self,
         in_features: int,
@@ -82,12 +152,14 @@ class RowParallelLinear(nn.Module):
         self.parallel = parallel
         shard_in = in_features // parallel.tp_size
         self.weight = _weight(out_features, shard_in, dtype)
+        self.bias = None
+        self._init_quant(1)
 
-    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
-        self.weight.data.copy_(_shard(full, 1, self.parallel))
+    def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
+        self._load_part(0, 0, _shard(full, 1, self.parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(nn.functional.linear(x, self.weight))
+        return self.parallel.all_reduce(self._matmul(x))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -106,7 +178,9 @@ class VocabParallelEmbedding(nn.Module):
             torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False
         )
 
-    def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
+    def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
+        if isinstance(full, QuantizedTensor):  # an embedding is looked up, never multiplied
+            full = full.dequantize(self.weight.dtype)
         rows = full[self.vocab_start : self.vocab_start + self.shard_size]
         self.weight.data[: rows.shape[0]].copy_(rows)
 
@@ -120,17 +194,30 @@ class VocabParallelEmbedding(nn.Module):
         return self.parallel.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(QuantizableLinear):
     """Logits over the vocabulary shard of this rank, gathered to the full vocabulary."""
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState, dtype) -> None:
-        super().__init__(vocab_size, hidden_size, parallel, dtype)
+        super().__init__()
+        self.parallel = parallel
         self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // parallel.tp_size)
+        self.vocab_start = parallel.tp_rank * self.shard_size
         self.weight = _weight(self.shard_size, hidden_size, dtype)
         self.weight.data.zero_()
+        self.bias = None
+        self._init_quant(1)
+
+    def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
+        rows = full.narrow(
+            0, self.vocab_start, min(self.shard_size, full.shape[0] - self.vocab_start)
+        )
+        if isinstance(rows, QuantizedTensor) and rows.shape[0] < self.shard_size:
+            rows = rows.dequantize(self.weight.dtype)  # a padded last shard stays float
+        self._load_part(0, 0, rows)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = nn.functional.linear(hidden, self.weight)  # (N, shard)
+        logits = self._matmul(hidden)  # (N, shard)
         return self.parallel.all_gather_last_dim(logits)[:, : self.vocab_size]
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from agentx import kernels
 from agentx.config import EngineConfig
 from agentx.engine.kv_cache import BlockCopy, LinearStateSpec
 from agentx.engine.models.forward_context import ForwardContext, forward_context
+from agentx.engine.models.layers import QuantizableLinear
 from agentx.engine.models.registry import get_model_class
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
@@ -41,6 +43,7 @@ class ModelRunner:
         with torch.device(self.device):
             model = get_model_class(spec.architecture)(spec, parallel, self.dtype)
         model.load_weights(weights)
+        finalize_weights(model, config.quantization)
         self.model = model.eval()
         layer_specs = get_layer_specs(
             spec, self.model, config.cache.block_size, self.dtype, parallel.tp_size
@@ -122,6 +125,14 @@ class ModelRunner:
             [it.num_output_tokens for it in items],
         )
         return ModelRunnerOutput({it.request_id: t for it, t in zip(items, token_ids, strict=True)})
+
+
+def finalize_weights(model: torch.nn.Module, mode: str) -> None:
+    """Fix how every linear layer keeps its weight (quantized or float; ``models/quant.py``)."""
+    kernels_ready = kernels.prepare()
+    for module in model.modules():
+        if isinstance(module, QuantizableLinear):
+            module.finalize_weights(mode, kernels_ready)
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

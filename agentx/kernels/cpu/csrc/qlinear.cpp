@@ -1,0 +1,205 @@
+// Weight-only quantized linear layers with int8 activations, for AVX2 CPUs.
+//
+// y = x W^T with W stored group-wise (32 input features a group) as
+//   int4: w = d * q + m, q in 0..15   (GGUF Q4_1, or quantized from floats on request)
+//   int8: w = d * q,     q in -127..127 (GGUF Q8_0, or quantized from floats on request)
+// and x quantized per row and per group to int8 (xq, scale dx, sum term sx = dx * sum(xq)):
+//   y[r, n] = sum_g  d[n, g] * dx[r, g] * sum_k q[n, k] xq[r, k]   (+ m[n, g] * sx[r, g])
+//
+// Every output element is computed from its own row alone, in a fixed order, whatever the
+// number of rows: results do not depend on batching or chunking.
+//
+// Packed layouts (8 output columns a tile, one column per 32-bit lane of a ymm register):
+//   int4 qweight (N/8, K/8, 32) uint8: for tile t and k-octet o, byte j holds column c = j / 4,
+//        low nibble  q[8t + c, 8o + j % 4], high nibble q[8t + c, 8o + 4 + j % 4]
+//   int8 qweight (N/8, K/4, 32) int8:  for tile t and k-quad u, byte j = q[8t + j / 4, 4u + j % 4]
+//   scale, min   (N/8, K/32, 8) float: for tile t and group g, lane c = column 8t + c
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace agentx {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 8;
+
+// Per row and group of 32: dx = amax / 127, xq = rint(x * 127 / amax), sx = dx * sum(xq).
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx, float* sx) {
+  const int64_t groups = k / kGroup;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = x + r * k + g * kGroup;
+        int8_t* dst = xq + r * k + g * kGroup;
+        float amax = 0.f;
+        for (int i = 0; i < kGroup; ++i) amax = std::fmax(amax, std::fabs(src[i]));
+        const float d = amax / 127.f;
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int i = 0; i < kGroup; ++i) {
+          const int q = static_cast<int>(std::nearbyint(src[i] * inv));
+          dst[i] = static_cast<int8_t>(q);
+          sum += q;
+        }
+        dx[r * groups + g] = d;
+        sx[r * groups + g] = d * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// R rows x one tile of 8 columns, int4 weights.
+template <int R>
+void tile_int4(const uint8_t* w, const float* scale, const float* mins, const int8_t* xq,
+               const float* dx, const float* sx, int64_t k, float* acc_out[R]) {
+  const int64_t groups = k / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int o = 0; o < 4; ++o) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      w += 32;
+      const __m256i lo = _mm256_and_si256(packed, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * k + g * kGroup + o * 8;
+        // 8 pairs of products a 16-bit lane, |each| <= 15 * 127: no saturation in a group
+        isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, bcast4(xr)));
+        isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, bcast4(xr + 4)));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(scale + g * kTile);
+    const __m256 m = _mm256_loadu_ps(mins + g * kTile);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[r], ones));
+      const int64_t rg = r * groups + g;
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[rg])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[rg]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc_out[r], acc[r]);
+}
+
+// R rows x one tile of 8 columns, int8 weights (signs moved onto x so maddubs sees |x|).
+template <int R>
+void tile_int8(const int8_t* w, const float* scale, const int8_t* xq, const float* dx,
+               int64_t k, float* acc_out[R]) {
+  const int64_t groups = k / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i isum[R];
+    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+    for (int u = 0; u < 8; ++u) {
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      w += 32;
+      const __m256i wabs = _mm256_abs_epi8(wq);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = bcast4(xq + r * k + g * kGroup + u * 4);
+        // |w| * (x * sign(w)): |w| <= 127 (the packer clamps -128), pairs fit in 16 bits
+        const __m256i prod = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xb, wq));
+        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(prod, ones));
+      }
+    }
+    const __m256 d = _mm256_loadu_ps(scale + g * kTile);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dot = _mm256_cvtepi32_ps(isum[r]);
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[r * groups + g])), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc_out[r], acc[r]);
+}
+
+template <int R>
+void run_tile(bool int4, const uint8_t* w, const float* scale, const float* mins,
+              const int8_t* xq, const float* dx, const float* sx, int64_t k, float* out[R]) {
+  if (int4) {
+    tile_int4<R>(w, scale, mins, xq, dx, sx, k, out);
+  } else {
+    tile_int8<R>(reinterpret_cast<const int8_t*>(w), scale, xq, dx, k, out);
+  }
+}
+
+constexpr int kRows = 4;
+
+// x (M, K) float32 -> (M, N) float32.
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scale, const at::Tensor& mins,
+                            const c10::optional<at::Tensor>& bias, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (M, K) float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  const int64_t tiles = qweight.size(0), n = tiles * kTile;
+  TORCH_CHECK(k % kGroup == 0 && scale.size(1) * kGroup == k, "in_features mismatch");
+  at::Tensor y = at::empty({m, n}, xc.options());
+  if (m == 0) return y;
+  at::Tensor xq = at::empty({m, k}, xc.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({m, k / kGroup}, xc.options());
+  at::Tensor sx = at::empty({m, k / kGroup}, xc.options());
+  quantize_rows(xc.data_ptr<float>(), m, k, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                sx.data_ptr<float>());
+  const bool int4 = bits == 4;
+  const int64_t tile_bytes = int4 ? k * kTile / 2 : k * kTile;
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = int4 ? mins.data_ptr<float>() : nullptr;
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const float* dxp = dx.data_ptr<float>();
+  const float* sxp = sx.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = k / kGroup;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    float buf[kRows][kTile];
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, m - r0);
+      float* out[kRows] = {buf[0], buf[1], buf[2], buf[3]};
+      for (int64_t t = t0; t < t1; ++t) {
+        const uint8_t* w = wp + t * tile_bytes;
+        const float* s = sp + t * groups * kTile;
+        const float* mn = mp ? mp + t * groups * kTile : nullptr;
+        const int8_t* xr = xqp + r0 * k;
+        const float* dr = dxp + r0 * groups;
+        const float* sr = sxp + r0 * groups;
+        switch (rows) {
+          case 4: run_tile<4>(int4, w, s, mn, xr, dr, sr, k, out); break;
+          case 3: run_tile<3>(int4, w, s, mn, xr, dr, sr, k, out); break;
+          case 2: run_tile<2>(int4, w, s, mn, xr, dr, sr, k, out); break;
+          default: run_tile<1>(int4, w, s, mn, xr, dr, sr, k, out); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(yp + (r0 + r) * n + t * kTile, buf[r], sizeof(float) * kTile);
+        }
+      }
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(agentx, lib) {
+  lib.def(
+      "quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor mins, Tensor? bias, "
+      "int bits) -> Tensor");
+  lib.impl("quantized_linear", c10::DispatchKey::CPU, &quantized_linear);
+}
+
+}  // namespace agentx

@@ -1,0 +1,189 @@
+"""Single-stream probe, every engine side by side in one run: 2K prefill and decode speed.
+
+Each engine runs as a worker subprocess (``agentx bench``'s adapters: agentx's own worker and
+the peers in ``benchmarks/peers``), one request at a time, greedy, EOS ignored:
+
+    prefill   time to first token of a fresh 2,048-token prompt (median of 3 after a warm-up)
+    decode    output tokens/s from the first token to the last: 128 tokens after a short
+              (128-token) prompt and after a 2,048-token prompt
+
+With ``--sweep`` every engine is first measured at each thread count x OpenMP wait policy
+(``--omp-wait`` of the workers) on a short probe, and the full probe then runs with each
+engine's best setting; the sweep is printed with the results. Peers need their venvs
+(``benchmarks/peers/setup_*.sh``).
+
+    python benchmarks/single_stream.py --engines agentx,llamacpp,vllm --sweep
+"""
+
+# ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import asyncio
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentx.bench.adapter import Done, GenerateRequest
+from agentx.bench.engines import EngineSettings, make_engine, resolve_model
+
+PROMPT_LONG = 2048
+PROMPT_SHORT = 128
+DECODE_TOKENS = 128
+FIRST_PLAIN_TOKEN_ID = 100
+VOCAB = 49152
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    threads: int
+    omp_wait: str
+
+    def label(self) -> str:
+        return f"{self.threads} thr, {self.omp_wait}"
+
+
+def _prompt(seed: str, size: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_PLAIN_TOKEN_ID, VOCAB) for _ in range(size)]
+
+
+async def _one(adapter, rid: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Timestamps of every output token (receipt times), the submit time first."""
+    times = [time.perf_counter()]
+    request = GenerateRequest(rid, rid, prompt, max_tokens)
+    async for event in adapter.generate(request):
+        if isinstance(event, Done):
+            break
+        times.extend([time.perf_counter()] * event.n)
+    await adapter.end_session(rid)
+    return times
+
+
+def _decode_rate(times: list[float]) -> float:
+    return (len(times) - 2) / (times[-1] - times[1])
+
+
+async def _probe(spec: str, settings: EngineSettings, omp_wait: str, full: bool) -> dict:
+    name = spec.split("=", 1)[0]
+    command = spec if "=" in spec else None
+    adapter = make_engine(command or name, settings)()
+    if name == "agentx":  # agentx's worker takes the policy from the environment
+        os.environ.pop("GOMP_SPINCOUNT", None)
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE" if omp_wait == "passive" else "ACTIVE"
+        if omp_wait == "spin":
+            os.environ.pop("OMP_WAIT_POLICY")
+            os.environ["GOMP_SPINCOUNT"] = "10000"
+    else:
+        adapter.command += ["--omp-wait", omp_wait]
+    info = await adapter.start()
+    try:
+        await _one(adapter, "warm", _prompt("warm", 64), 8)
+        short = await _one(adapter, "short", _prompt("short", PROMPT_SHORT), DECODE_TOKENS)
+        result = {"engine": info.engine, "version": info.version,
+                  "decode_short_tok_s": _decode_rate(short)}  # fmt: skip
+        if full:
+            ttfts = []
+            for i in range(4):
+                times = await _one(adapter, f"prefill{i}", _prompt(f"prefill{i}", PROMPT_LONG), 1)
+                if i:
+                    ttfts.append(times[1] - times[0])
+            long = await _one(adapter, "long", _prompt("long", PROMPT_LONG), DECODE_TOKENS)
+            result |= {
+                "prefill_2k_ttft_s": statistics.median(ttfts),
+                "prefill_2k_tok_s": PROMPT_LONG / statistics.median(ttfts),
+                "decode_after_2k_tok_s": _decode_rate(long),
+            }
+        return result
+    finally:
+        await adapter.close()
+
+
+def _settings(model: str, threads: int) -> EngineSettings:
+    return EngineSettings(model=model, threads=threads, kv_cache_gib=0.5)
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    model = resolve_model(args.model)
+    engines = args.engines.split(",")
+    grid = [Setting(t, w) for t in args.threads for w in args.omp_wait]
+    record = {"command": " ".join(["python", *sys.argv]), "machine": _machine(),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "sweep": {}, "results": {}}  # fmt: skip
+    for spec in engines:
+        best = grid[0]
+        if args.sweep and len(grid) > 1:
+            rates = {}
+            for setting in grid:
+                probe = await _probe(
+                    spec, _settings(model, setting.threads), setting.omp_wait, False
+                )
+                rates[setting.label()] = probe["decode_short_tok_s"]
+                print(f"  sweep {spec} {setting.label()}: {rates[setting.label()]:.1f} tok/s",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            best = grid[[s.label() for s in grid].index(max(rates, key=rates.get))]
+            record["sweep"][spec] = rates
+        result = await _probe(spec, _settings(model, best.threads), best.omp_wait, True)
+        result["setting"] = best.label()
+        record["results"][spec] = result
+        print(f"{spec}: {result}", file=sys.stderr, flush=True)
+    return record
+
+
+def _machine() -> dict:
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version()}  # fmt: skip
+
+
+def render(record: dict) -> str:
+    lines = [f"`{record['command']}` ({record['date']}, {record['machine']['cores']} cores)", "",
+             "| engine | setting | prefill 2K tok/s (TTFT s) | decode tok/s, 128-token prompt "
+             "| decode tok/s, after 2K |", "|---|---|---|---|---|"]  # fmt: skip
+    for spec, r in record["results"].items():
+        lines.append(
+            f"| {spec} | {r['setting']} | {r['prefill_2k_tok_s']:.0f} "
+            f"({r['prefill_2k_ttft_s']:.2f}) | {r['decode_short_tok_s']:.1f} "
+            f"| {r['decode_after_2k_tok_s']:.1f} |"
+        )
+    for spec, rates in record["sweep"].items():
+        sweep = ", ".join(f"{k}: {v:.1f}" for k, v in rates.items())
+        lines.append(f"\nsweep {spec} (decode tok/s, 128-token prompt): {sweep}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default="agentx,llamacpp,vllm")
+    parser.add_argument("--model", default=None, help="agentx's model (default: the embedded)")
+    parser.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[2])
+    parser.add_argument(
+        "--omp-wait", type=lambda s: s.split(","), default=["passive"],
+        help="comma-separated OpenMP wait policies for the sweep (passive, spin, active)",
+    )  # fmt: skip
+    parser.add_argument("--sweep", action="store_true", help="pick each engine's best setting")
+    parser.add_argument("--json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    record = asyncio.run(main_async(args))
+    print(render(record))
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The compiled CPU kernels against the reference backend, on awkward shapes.
+
+Quantized linear: the packed layout round-trips, the kernel equals ``ref/quant.py`` up to float
+summation order, every row's result is independent of the other rows (bit for bit), and the
+int8-activation math stays close to the dequantized float matmul. Paged decode attention: the
+kernel equals the reference on partial blocks, one long context among short ones, GQA ratios,
+sliding windows, fp32 and bf16 caches and padded pages. GGUF Q4_1 / Q8_0 tensors are read
+exactly (their dequantization equals the gguf package's, bit for bit).
+"""
+
+import pytest
+import torch
+
+from agentx.kernels import cpu
+from agentx.kernels.ref import attention as ref_attention
+from agentx.kernels.ref import quant
+
+needs_kernels = pytest.mark.skipif(
+    not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"
+)
+
+
+def _packed(n, k, bits, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    q, scale, mins = quant.quantize_weight(w, bits)
+    return (q, scale, mins), quant.pack_weight(q, scale, mins, bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k", [(8, 32), (40, 96), (192, 576)])
+def test_pack_round_trips(bits, n, k):
+    plain, packed = _packed(n, k, bits)
+    for got, want in zip(quant.unpack_weight(*packed, bits), plain, strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 15, 63, 300])
+@pytest.mark.parametrize("n,k", [(8, 32), (40, 96), (576, 576)])
+def test_quantized_linear_matches_reference(bits, m, n, k):
+    _, packed = _packed(n, k, bits, seed=m)
+    gen = torch.Generator().manual_seed(100 + m)
+    x = torch.randn(m, k, generator=gen) * 3
+    bias = torch.randn(n, generator=gen)
+    want = quant.quantized_linear(x, *packed, bias, bits)
+    got = cpu.quantized_linear(x, *packed, bias, bits)
+    # the same products in another float order: error relative to the outputs' scale
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_linear_rows_are_independent(bits):
+    _, packed = _packed(96, 160, bits)
+    x = torch.randn(37, 160, generator=torch.Generator().manual_seed(7))
+    batch = cpu.quantized_linear(x, *packed, None, bits)
+    for r in (0, 3, 4, 36):
+        alone = cpu.quantized_linear(x[r : r + 1], *packed, None, bits)
+        assert torch.equal(alone[0], batch[r])  # bit for bit, whatever the batch
+    assert torch.equal(cpu.quantized_linear(x[5:9], *packed, None, bits), batch[5:9])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_math_close_to_dequantized_matmul(bits):
+    plain, packed = _packed(64, 256, bits)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    exact = x @ quant.dequantize_weight(*plain).t()
+    got = quant.quantized_linear(x, *packed, None, bits)
+    # int8 activations: each group's rounding error is at most half a step of amax / 127
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+def test_activation_quantization_exact_values():
+    x = torch.tensor([[0.0] * 31 + [2.54], [-1.27] + [0.005] * 31])
+    xq, dx, sx = quant.quantize_activations(x)
+    assert xq[0].tolist() == [0] * 31 + [127]
+    assert xq[1, 0].item() == -127 and xq[1, 1:].tolist() == [0] * 31  # 0.5 rounds to even
+    assert dx[0, 0].item() == pytest.approx(0.02) and sx[0, 0].item() == pytest.approx(2.54)
+
+
+def _random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, pad, gen):
+    page = 2 * block_size * num_kv_heads * head_dim
+    pages = torch.randn(num_blocks, page + pad, generator=gen).to(dtype)
+    return pages[:, :page].view(num_blocks, 2, block_size, num_kv_heads, head_dim)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,window",
+    [(9, 3, 64, 16, None), (4, 4, 128, 32, None), (8, 2, 256, 16, 100), (9, 3, 64, 16, 5)],
+)
+def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size, window):
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    seq_lens = [1, 15, 1300, 33, 16]  # a partial block, one long context among short ones
+    num_blocks = 2 + sum(-(-n // block_size) for n in seq_lens)
+    cache = _random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, 24, gen)
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    ids = torch.randperm(num_blocks - 1, generator=gen) + 1  # shuffled, never the null block 0
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = ids[used : used + nb]
+        used += nb
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
+    loc = list(range(len(seq_lens) + 1))
+    decode_ids = torch.arange(len(seq_lens))
+    args = (loc, seq_lens, tables, decode_ids, [], head_dim**-0.5, window)
+    want = ref_attention.paged_attention(q, cache.float(), *args)  # the bf16 values, exactly
+    if window is not None:  # blocks wholly out of the window may already be freed: poison them
+        for i, n in enumerate(seq_lens):
+            for b in range(max(0, n - window) // block_size):
+                cache[tables[i, b]] = float("nan")
+    got = cpu.paged_attention(q, cache, *args)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+@needs_kernels
+def test_paged_attention_mixed_prefill_and_decode_rows():
+    gen = torch.Generator().manual_seed(11)
+    cache = _random_cache(40, 16, 3, 64, torch.float32, 0, gen)
+    tables = torch.arange(1, 37).reshape(3, 12)
+    seq_lens, loc = [40, 150, 7], [0, 1, 6, 7]  # decode, a 5-token chunk, decode
+    q = torch.randn(7, 9, 64, generator=gen)
+    args = (q, cache, loc, seq_lens, tables, torch.tensor([0, 2]), [1], 0.125, None)
+    torch.testing.assert_close(
+        cpu.paged_attention(*args), ref_attention.paged_attention(*args), rtol=1e-5, atol=2e-5
+    )
+
+
+@pytest.mark.slow
+def test_gguf_quantized_tensors_are_exact():
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from agentx.engine.models.loader import default_model_path
+    from agentx.engine.models.loader.gguf import _read_quantized
+
+    reader = GGUFReader(default_model_path())
+    seen = set()
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type
+        if kind not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0) or kind in seen:
+            continue
+        seen.add(kind)
+        got = _read_quantized(tensor)
+        want = dequantize(tensor.data, kind).reshape(got.shape)
+        assert got.bits == (4 if kind == GGMLQuantizationType.Q4_1 else 8)
+        assert torch.equal(got.dequantize(), torch.from_numpy(want))
+    assert len(seen) == 2

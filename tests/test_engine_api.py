@@ -245,7 +245,7 @@ def test_runner_rows_are_released_when_the_last_requests_finish(make_engine):
         engine.generate(["a", "b", "c", "d"], SamplingParams(max_tokens=2, ignore_eos=True))
         # a control op wakes the loop for a step with nothing to schedule: the ids that
         # finished last are reported to the runner there, not lost
-        engine.release_kv_soon("no-such-handle")
+        engine.release_held_soon("no-such-handle")
         for _ in range(100):
             if not engine.core.runner.input_batch.row_of:
                 break

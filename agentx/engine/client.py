@@ -21,7 +21,12 @@ from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import Request
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream
-from agentx.errors import EngineClosedError, EngineDeadError, RequestAbortedError
+from agentx.errors import (
+    EngineClosedError,
+    EngineDeadError,
+    RequestAbortedError,
+    warn_renamed,
+)
 
 Prompt = str | Sequence[int]
 
@@ -54,18 +59,20 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        retain_kv: bool = False,
-        extends: str | None = None,
+        hold_kv: bool = False,
+        held_kv: str | None = None,
         hints: tuple = (),
+        **renamed,
     ) -> RequestStream:
         """Validate and queue a request; its deltas arrive on the returned stream.
 
-        ``retain_kv``: when it finishes, keep its KV whole under its request id (a held
-        sequence) for a later request that names it in ``extends`` and whose prompt starts with
-        this request's prompt and output; that request then computes only what is new.
-        Release held sequences you will not extend (``release_kv``); unpinned ones are also
-        released by the engine when memory runs short.
+        ``hold_kv``: when it finishes, its KV is held whole under its request id (the handle)
+        for a later request that passes it as ``held_kv`` and whose prompt starts with this
+        request's prompt and output; that request then computes only what is new. Release held
+        KV you will not extend (``release_held``); unpinned held KV is also released by the
+        engine when memory runs short. (``retain_kv`` / ``extends`` are deprecated names.)
         """
+        hold_kv, held_kv = _renamed_hold_kwargs(renamed, hold_kv, held_kv)
         self._check_alive()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self.core.make_request(
@@ -74,8 +81,8 @@ class Engine:
             sampling or SamplingParams(),
             priority,
             cache_salt,
-            retain_kv,
-            extends,
+            hold_kv,
+            held_kv,
             hints,
         )
         stream = RequestStream(rid, request.prompt_token_ids)
@@ -148,43 +155,48 @@ class Engine:
                 self.abort(stream.request_id)
         return stream.to_generation()
 
-    # ---- held sequences ----------------------------------------------------------------------
+    # ---- held KV (a finished turn's KV, held for the next turn: kv_cache/held.py) -----------
 
-    def fork_kv(self, handle: str, num_forks: int) -> list[str]:
-        """Fork a held sequence into ``num_forks`` new handles (copy-on-write of the partial
-        tail block). Returns [] if the handle is gone or the pool has no room."""
+    def fork_held(self, handle: str, num_forks: int) -> list[str]:
+        """Fork held KV into ``num_forks`` new handles (copy-on-write of the partial tail
+        block). Returns [] if the handle is gone or the pool has no room."""
         self._check_alive()
         new_handles = [f"{handle}/fork-{next(self._ids)}" for _ in range(num_forks)]
         with self._step_lock:
-            return new_handles if self.core.fork_kv(handle, new_handles) else []
+            return new_handles if self.core.fork_held(handle, new_handles) else []
 
-    def export_kv(self, handle: str) -> KVExport | None:
-        """Name a held sequence's prefix in the shared offload tiers (waits for its stores),
-        for ``import_kv`` on another engine with the same model; None without offload."""
+    def export_held(self, handle: str) -> KVExport | None:
+        """Name held KV's prefix in the shared offload tiers (waits for its stores), for
+        ``import_held`` on another engine with the same model; None without offload."""
         self._check_alive()
         with self._step_lock:
-            return self.core.export_kv(handle)
+            return self.core.export_held(handle)
 
-    def import_kv(self, export: KVExport, handle: str | None = None) -> str | None:
-        """Load an exported prefix from the shared tiers as a held sequence; returns its handle
-        (pass it as ``extends``), or None when nothing could be loaded."""
+    def import_held(self, export: KVExport, handle: str | None = None) -> str | None:
+        """Load an exported prefix from the shared tiers as held KV; returns its handle (pass
+        it as ``held_kv``), or None when nothing could be loaded."""
         self._check_alive()
         handle = handle or f"import-{uuid.uuid4().hex[:12]}"
         with self._step_lock:
-            return handle if self.core.import_kv(export, handle) else None
+            return handle if self.core.import_held(export, handle) else None
 
-    def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
-        """Release a held sequence; ``drop_cached`` also forgets its blocks' cached content."""
+    def release_held(self, handle: str, drop_cached: bool = False) -> bool:
+        """Release held KV; ``drop_cached`` also forgets its blocks' cached content."""
         with self._step_lock:
-            return self.core.release_kv(handle, drop_cached)
+            return self.core.release_held(handle, drop_cached)
 
-    def release_kv_soon(self, handle: str, drop_cached: bool = False) -> None:
-        """Like ``release_kv``, without waiting: the loop releases it before its next step."""
-        self._control(lambda core: core.release_kv(handle, drop_cached))
+    def release_held_soon(self, handle: str, drop_cached: bool = False) -> None:
+        """Like ``release_held``, without waiting: the loop releases it before its next step."""
+        self._control(lambda core: core.release_held(handle, drop_cached))
 
-    def pin_kv_soon(self, handle: str, pinned: bool = True) -> None:
-        """Like ``pin_kv``, without waiting: the loop applies it before its next step."""
-        self._control(lambda core: core.pin_kv(handle, pinned))
+    def pin_held(self, handle: str, pinned: bool = True) -> bool:
+        """Pinned held KV is never released to make room."""
+        with self._step_lock:
+            return self.core.pin_held(handle, pinned)
+
+    def pin_held_soon(self, handle: str, pinned: bool = True) -> None:
+        """Like ``pin_held``, without waiting: the loop applies it before its next step."""
+        self._control(lambda core: core.pin_held(handle, pinned))
 
     def _control(self, op: Callable[[EngineCore], object]) -> None:
         with self._cond:
@@ -192,10 +204,35 @@ class Engine:
                 self._controls.append(op)
                 self._cond.notify()
 
+    # deprecated names of the held-KV methods (they warn, then do the same)
+
+    def fork_kv(self, handle: str, num_forks: int) -> list[str]:
+        warn_renamed("Engine.fork_kv", "Engine.fork_held")
+        return self.fork_held(handle, num_forks)
+
+    def export_kv(self, handle: str) -> KVExport | None:
+        warn_renamed("Engine.export_kv", "Engine.export_held")
+        return self.export_held(handle)
+
+    def import_kv(self, export: KVExport, handle: str | None = None) -> str | None:
+        warn_renamed("Engine.import_kv", "Engine.import_held")
+        return self.import_held(export, handle)
+
+    def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
+        warn_renamed("Engine.release_kv", "Engine.release_held")
+        return self.release_held(handle, drop_cached)
+
+    def release_kv_soon(self, handle: str, drop_cached: bool = False) -> None:
+        warn_renamed("Engine.release_kv_soon", "Engine.release_held_soon")
+        self.release_held_soon(handle, drop_cached)
+
     def pin_kv(self, handle: str, pinned: bool = True) -> bool:
-        """A pinned held sequence is never released to make room."""
-        with self._step_lock:
-            return self.core.pin_kv(handle, pinned)
+        warn_renamed("Engine.pin_kv", "Engine.pin_held")
+        return self.pin_held(handle, pinned)
+
+    def pin_kv_soon(self, handle: str, pinned: bool = True) -> None:
+        warn_renamed("Engine.pin_kv_soon", "Engine.pin_held_soon")
+        self.pin_held_soon(handle, pinned)
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -309,3 +346,18 @@ class Engine:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
+
+
+def _renamed_hold_kwargs(
+    renamed: dict, hold_kv: bool, held_kv: str | None
+) -> tuple[bool, str | None]:
+    """``hold_kv`` / ``held_kv`` from the deprecated ``retain_kv`` / ``extends`` keywords."""
+    if "retain_kv" in renamed:
+        warn_renamed("add_request(retain_kv=...)", "add_request(hold_kv=...)")
+        hold_kv = bool(renamed.pop("retain_kv"))
+    if "extends" in renamed:
+        warn_renamed("add_request(extends=...)", "add_request(held_kv=...)")
+        held_kv = renamed.pop("extends")
+    if renamed:
+        raise TypeError(f"add_request() got unexpected keyword arguments {sorted(renamed)}")
+    return hold_kv, held_kv

@@ -117,8 +117,8 @@ class EngineCore:
         sampling: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
-        retain_kv: bool = False,
-        extends: str | None = None,
+        hold_kv: bool = False,
+        held_kv: str | None = None,
         hints: tuple = (),
     ) -> Request:
         """Validate and build a request; raises InvalidRequestError before anything is queued."""
@@ -151,8 +151,8 @@ class EngineCore:
             priority=priority,
             cache_salt=cache_salt.encode() if cache_salt else b"",
             seed=seed,
-            retain_kv=retain_kv,
-            extends=extends,
+            hold_kv=hold_kv,
+            held_kv=held_kv,
             hints=tuple(hints),
             grammar=grammar,
         )
@@ -223,36 +223,36 @@ class EngineCore:
 
         return GrammarMasks([r.request_id for r in constrained], self._mask_worker.submit(fill))
 
-    # ---- held sequences (kv_cache/held.py) ------------------------------------------------
+    # ---- held KV (kv_cache/held.py) -------------------------------------------------------
 
-    def fork_kv(self, handle: str, new_handles: list[str]) -> bool:
-        """Fork a held sequence into ``new_handles``; False if it is gone or there is no room."""
+    def fork_held(self, handle: str, new_handles: list[str]) -> bool:
+        """Fork held KV into ``new_handles``; False if it is gone or there is no room."""
         copies = self.kv.fork_held(handle, new_handles)
         if copies is None:
             return False
         self.runner.copy_blocks(copies)
         return True
 
-    def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
+    def release_held(self, handle: str, drop_cached: bool = False) -> bool:
         if self.offload is None:
             return self.kv.release_held(handle, drop_cached)
         hashes = self.offload.held_hashes(handle) if drop_cached else []
-        self.offload.forget_handle(handle)
+        self.offload.forget_held(handle)
         released = self.kv.release_held(handle, drop_cached)
         self.offload.drop(hashes)  # release drops the session's blocks in every tier
         return released
 
-    def pin_kv(self, handle: str, pinned: bool = True) -> bool:
+    def pin_held(self, handle: str, pinned: bool = True) -> bool:
         if self.offload is not None:
             self.offload.pin(handle, pinned)  # a soft pin in every tier
         return self.kv.pin_held(handle, pinned)
 
-    def export_kv(self, handle: str) -> KVExport | None:
-        """A held sequence's prefix as another engine sharing a tier can import it."""
+    def export_held(self, handle: str) -> KVExport | None:
+        """Held KV's prefix as another engine sharing a tier can import it."""
         return None if self.offload is None else self.offload.export(handle)
 
-    def import_kv(self, export: KVExport, handle: str) -> int:
-        """Load an exported prefix from the shared tiers as held sequence ``handle``."""
+    def import_held(self, export: KVExport, handle: str) -> int:
+        """Load an exported prefix from the shared tiers as held KV ``handle``."""
         if self.offload is None:
             return 0
         num = self.offload.import_(export, handle)
@@ -270,7 +270,7 @@ class EngineCore:
             if request is None:
                 self.kv.release_held(handle)  # aborted while it loaded
             elif handle in self.kv.held:
-                request.extends = handle
+                request.held_kv = handle
 
     def close(self) -> None:
         if self.offload is not None:
@@ -328,7 +328,7 @@ class EngineCore:
             kv_num_used_blocks=kv.get_num_used_blocks(),
             kv_num_cached_blocks=len(kv.pool.cached),
             kv_usage=kv.get_usage(),
-            kv_num_held_sequences=len(kv.held),
+            kv_num_held=len(kv.held),
             **(self.offload.get_stats() if self.offload is not None else {}),
         )
 

@@ -48,8 +48,8 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: bytes = b""
     seed: int = 0  # sampling.seed, or one drawn by the engine when that is None
-    retain_kv: bool = False  # when it finishes, hold its KV under its id (see kv_cache/held.py)
-    extends: str | None = None  # a held sequence this request continues
+    hold_kv: bool = False  # when it finishes, hold its KV under its id (see kv_cache/held.py)
+    held_kv: str | None = None  # the handle of held KV this request continues
     hints: tuple = ()  # the session's hints (agentx.session.hints) for tiers and policies
     grammar: GrammarMatcher | None = None  # set when sampling.structured is
     arrival_time: float = field(default_factory=time.monotonic)

@@ -1,9 +1,10 @@
 """Session: one agent conversation on an in-process engine.
 
 A session keeps its chat as token ids (``ChatContext``) so every turn re-sends an exact
-extension of the last one, and it keeps the last turn's KV held in the engine (``extends``), so
-a turn computes only its new tokens. It owns tools, pending tool results, forks and hints; it
-never blocks the event loop on the engine (engine calls that wait run in a worker thread).
+extension of the last one, and the engine holds the last turn's KV for the next (``hold_kv`` /
+``held_kv``, see engine/kv_cache/held.py), so a turn computes only its new tokens. It owns
+tools, pending tool results, forks and hints; it never blocks the event loop on the engine
+(engine calls that wait run in a worker thread).
 
     async with Session(tools=[get_weather]) as s:
         reply = await s.send("What's the weather in Paris?")
@@ -67,7 +68,7 @@ class Session:
         self._messages: list[Message] = []
         self._pending: list[dict] = []  # tool results and messages for the next turn
         self._open_calls: dict[str, ToolCall] = {}
-        self._handle: str | None = None  # the engine's held sequence of the last turn
+        self._held_kv: str | None = None  # the handle of the last turn's held KV
         self._busy = False
         self._closed = False
         self._parent: Session | None = None
@@ -104,9 +105,9 @@ class Session:
         self._closed = True
         for child in list(self._children):
             await child.close()
-        if self._handle is not None:
-            self.engine.release_kv_soon(self._handle, self._drop_on_close)
-            self._handle = None
+        if self._held_kv is not None:
+            self.engine.release_held_soon(self._held_kv, self._drop_on_close)
+            self._held_kv = None
         if self._parent is not None and self in self._parent._children:
             self._parent._children.remove(self)
 
@@ -194,20 +195,18 @@ class Session:
         self._check_usable()
         context = self._ensure_context()
         self._busy = True
-        return (context.fork(), self._handle, list(self._pending), dict(self._open_calls))
+        return (context.fork(), self._held_kv, list(self._pending), dict(self._open_calls))
 
-    def _submit(
-        self, prompt: list[int], sampling: SamplingParams, retain_kv: bool
-    ) -> RequestStream:
+    def _submit(self, prompt: list[int], sampling: SamplingParams, hold_kv: bool) -> RequestStream:
         stream = self.engine.add_request(
             prompt,
             sampling,
             priority=self._priority,
-            retain_kv=retain_kv,
-            extends=self._handle,
+            hold_kv=hold_kv,
+            held_kv=self._held_kv,
             hints=tuple(self._hints),
         )
-        self._handle = None  # the request adopts it (or it is released when the request runs)
+        self._held_kv = None  # the request adopts it (or it is released when the request runs)
         self._hints = []
         return stream
 
@@ -221,9 +220,9 @@ class Session:
     ) -> None:
         output_ids = prefill_ids + gen.token_ids
         self._context.commit_output(output_ids, prefill + gen.text, gen.finish_reason)
-        self._handle = gen.request_id if gen.finish_reason in ("stop", "length") else None
-        if self._handle is not None and self._pinned:
-            self.engine.pin_kv_soon(self._handle)
+        self._held_kv = gen.request_id if gen.finish_reason in ("stop", "length") else None
+        if self._held_kv is not None and self._pinned:
+            self.engine.pin_held_soon(self._held_kv)
         # tool results entered the history when they were added
         self._messages.extend(coerce_message(m) for m in sent if m["role"] != "tool")
         self._messages.append(message)
@@ -237,9 +236,9 @@ class Session:
             return
         context, handle, pending, open_calls = snapshot
         self._context, self._pending, self._open_calls = context, pending, open_calls
-        if handle is not None and self._handle is None:
+        if handle is not None and self._held_kv is None:
             # the aborted request may never have run to adopt or release it
-            self.engine.release_kv_soon(handle)
+            self.engine.release_held_soon(handle)
 
     def _add_usage(self, usage: Usage | None) -> None:
         if usage is None:
@@ -317,8 +316,8 @@ class Session:
         self._check_usable()
         count = 1 if n is None else n
         handles: list[str] = []
-        if self._handle is not None:
-            handles = await anyio.to_thread.run_sync(self.engine.fork_kv, self._handle, count)
+        if self._held_kv is not None:
+            handles = await anyio.to_thread.run_sync(self.engine.fork_held, self._held_kv, count)
         children = [self._make_child(handles[i] if handles else None) for i in range(count)]
         return children[0] if n is None else children
 
@@ -329,7 +328,7 @@ class Session:
         child._messages = list(self._messages)
         child._pending = list(self._pending)
         child._open_calls = dict(self._open_calls)
-        child._handle = handle
+        child._held_kv = handle
         child._priority = self._priority
         child._parent = self
         self._children.append(child)
@@ -375,8 +374,8 @@ class Session:
                 self._priority = item.level
             elif isinstance(item, Pin):
                 self._pinned = item.pinned
-                if self._handle is not None:
-                    self.engine.pin_kv_soon(self._handle, item.pinned)
+                if self._held_kv is not None:
+                    self.engine.pin_held_soon(self._held_kv, item.pinned)
             elif isinstance(item, Release):
                 self._drop_on_close = item.drop_cached
             self._hints.append(item)

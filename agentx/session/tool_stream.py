@@ -48,7 +48,7 @@ class StreamedToolResult:
         self._chunks.append(chunk)
         self._session._context.append_to_open(chunk)
         prompt = self._session._context.token_ids
-        self._inflight = self._session._submit(prompt, _PREFILL, retain_kv=True)
+        self._inflight = self._session._submit(prompt, _PREFILL, hold_kv=True)
 
     async def _wait_inflight(self) -> None:
         stream, self._inflight = self._inflight, None
@@ -61,7 +61,7 @@ class StreamedToolResult:
             if not stream.finished:
                 self._session.engine.abort(stream.request_id)
             raise
-        self._session._handle = stream.request_id  # held: the next piece extends it
+        self._session._held_kv = stream.request_id  # held: the next piece extends it
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         session = self._session

@@ -64,7 +64,7 @@ class Turn:
                 self._prefill_ids = self._session.engine.tokenizer.encode(self._prefill)
                 prompt += self._prefill_ids
             self._t_submit = time.perf_counter()
-            self._stream = self._session._submit(prompt, self._sampling, retain_kv=True)
+            self._stream = self._session._submit(prompt, self._sampling, hold_kv=True)
         except BaseException:
             self._session._end_turn(self._snapshot, committed=False)
             raise

@@ -8,8 +8,8 @@ prefix-cache statistics. It does not know how requests are ordered or what the m
     free(request)                         -> every block back to the pool (cached content kept)
     hold(request)                         -> keep a finished request's blocks for the next turn
 
-A prefix hit comes from the prefix cache (full blocks, by hash) or, when the request names one
-in ``extends``, from a held sequence (every block, the partial tail too); the longer wins.
+A prefix hit comes from the prefix cache (full blocks, by hash) or, when the request names
+held KV in ``held_kv``, from that held KV (every block, the partial tail too); the longer wins.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
-from agentx.engine.kv_cache.held import BlockCopy, HeldSequences
+from agentx.engine.kv_cache.held import BlockCopy, HeldKVManager
 from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
@@ -29,7 +29,7 @@ class KVCacheBlocks:
     """Blocks per KV group, as handed between the KV manager and the scheduler."""
 
     blocks: GroupBlocks
-    held_handle: str | None = None  # the blocks are a held sequence's, moving to the request
+    held_kv: str | None = None  # the blocks are this held KV's, moving to the request
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -58,7 +58,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.coordinator = KVCacheCoordinator(layout, enable_caching, retention)
         self.pool = self.coordinator.pool
-        self.held = HeldSequences(self.pool, self.block_size)
+        self.held = HeldKVManager(self.pool, self.block_size)
         self.stats = PrefixCacheStats()
 
     @property
@@ -83,10 +83,10 @@ class KVCacheManager:
                 request.block_hashes, max_length
             )
             hit = KVCacheBlocks(blocks)
-        held = self.held.get(request.extends)
+        held = self.held.get(request.held_kv)
         if held is not None and _is_prefix(held.token_ids, request.all_token_ids):
             num_held = min(held.num_tokens, max_length)
-            # a linear state exists only at the held sequence's end, not before it
+            # a linear state exists only at the held KV's end, not before it
             exact = not self.coordinator.has_linear or num_held == held.num_tokens
             if exact and num_held > 0 and num_held >= num_hit:
                 num_blocks = -(-num_held // self.block_size)
@@ -118,13 +118,13 @@ class KVCacheManager:
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
         if num_needed > self.pool.num_free_blocks:
-            self.held.reclaim(num_needed, keep=request.extends)
+            self.held.reclaim(num_needed, keep=request.held_kv)
             num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
             if num_needed > self.pool.num_free_blocks:
                 return None
         self.coordinator.save_new_computed_blocks(rid, computed)
-        if new_computed_blocks is not None and new_computed_blocks.held_handle is not None:
-            self.held.release(new_computed_blocks.held_handle)  # its references moved to rid
+        if new_computed_blocks is not None and new_computed_blocks.held_kv is not None:
+            self.held.release(new_computed_blocks.held_kv)  # its references moved to rid
         new_blocks = self.coordinator.allocate_new_blocks(request, num_total)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_total)
@@ -138,14 +138,14 @@ class KVCacheManager:
         self.coordinator.free(rid)
 
     def hold(self, request: Request) -> None:
-        """Keep a finished request's blocks under its id for a request that ``extends`` it."""
+        """Hold a finished request's KV under its id for a request that names it in ``held_kv``."""
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         blocks = self.coordinator.take(request.request_id)
         tokens = request.all_token_ids[: request.num_computed_tokens]
         self.held.add(request.request_id, tokens, blocks)
 
     def fork_held(self, handle: str, new_handles: list[str]) -> list[BlockCopy] | None:
-        """Copy-on-write forks of a held sequence; the caller runs the returned block copies
+        """Copy-on-write forks of held KV; the caller runs the returned block copies
         before any request uses the new handles. None when the handle is unknown or the pool
         has no room for the tail copies."""
         if handle not in self.held:

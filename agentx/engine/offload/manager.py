@@ -3,12 +3,12 @@
     store     blocks published on the device during a step are gathered after it (their KV is
               written then) and written through to every tier, one batched job per step
     load      a new request whose prefix continues in a tier is parked (out of line, others
-              run); its blocks load into fresh device blocks, become a held sequence the request
+              run); its blocks load into fresh device blocks, become held KV the request
               extends, and it goes back in line: it neither recomputes them nor stalls anyone
     hints     a held session with a tool latency is released first under pressure (its blocks
               live on in the tiers) and prefetched back ``prefetch_margin_s`` before it returns
-    migrate   ``export`` names a held sequence's blocks in the shared tiers; ``import_`` loads
-              them into another engine as a held sequence
+    migrate   ``export`` names held KV's blocks in the shared tiers; ``import_`` loads
+              them into another engine as held KV
 
 A load that fails midway keeps the prefix that arrived and the request recomputes the rest.
 The manager reads and writes KV only through the runner's page gather/scatter.
@@ -52,7 +52,7 @@ class KVExport:
 
 @dataclass(slots=True)
 class _Load:
-    handle: str | None  # the held sequence the blocks become (None: the device cache only)
+    handle: str | None  # the held KV the blocks become (None: the device cache only)
     request_id: str | None  # the parked request waiting for it (None: a prefetch or import)
     token_ids: list[int]  # tokens of device_blocks + blocks
     device_blocks: list[KVBlock]  # the device hit in front of the loaded blocks (referenced)
@@ -74,7 +74,7 @@ class _ToolWait:
     return_at: float
     token_ids: list[int]
     block_hashes: list[BlockHash]
-    handle: str | None  # the held sequence to rebuild; None: back into the device cache
+    handle: str | None  # the held KV to rebuild; None: back into the device cache
 
 
 class OffloadManager:
@@ -113,11 +113,11 @@ class OffloadManager:
         for hint in request.hints:
             if isinstance(hint, ToolLatency):
                 self.tool_hints[request.request_id] = (hint.seconds, request)
-        if request.extends is not None:
-            self.tool_waits.pop(request.extends, None)  # the session is back: no prefetch
+        if request.held_kv is not None:
+            self.tool_waits.pop(request.held_kv, None)  # the session is back: no prefetch
         if not self.kv.enable_caching:
             return False
-        held = self.kv.held.get(request.extends)
+        held = self.kv.held.get(request.held_kv)
         if held is not None and request.all_token_ids[: held.num_tokens] == held.token_ids:
             return False  # the device still holds the whole previous turn
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -242,7 +242,7 @@ class OffloadManager:
             if self._start_load(wait.handle, None, wait.token_ids, wait.block_hashes):
                 self.counters.num_prefetches += 1
 
-    def forget_handle(self, handle: str) -> None:
+    def forget_held(self, handle: str) -> None:
         self.tool_waits.pop(handle, None)
 
     # ---- pins, release, migration ---------------------------------------------------------
@@ -261,7 +261,7 @@ class OffloadManager:
         self.store.drop(hashes)
 
     def export(self, handle: str, timeout: float = 30.0) -> KVExport | None:
-        """The held sequence's full blocks, once the tiers hold them (waits for the stores)."""
+        """The held KV's full blocks, once the tiers hold them (waits for the stores)."""
         held = self.kv.held.get(handle)
         if held is None:
             return None
@@ -271,7 +271,7 @@ class OffloadManager:
         return KVExport(tuple(held.token_ids[: num * self.block_size]), tuple(hashes[:num]))
 
     def import_(self, export: KVExport, handle: str, timeout: float = 30.0) -> int:
-        """Load an exported prefix as held sequence ``handle``; returns its tokens on device."""
+        """Load an exported prefix as held KV ``handle``; returns its tokens on device."""
         self._start_load(handle, None, list(export.token_ids), list(export.block_hashes))
         self.flush(timeout)
         held = self.kv.held.get(handle)

@@ -153,10 +153,10 @@ class Scheduler:
             if new_blocks is None:
                 break  # the pool is full; running requests will free blocks
             self.waiting.pop()
-            if request.extends is not None:
+            if request.held_kv is not None:
                 # adopted or stale: either way the handle is spent once its request runs
-                self.kv.release_held(request.extends)
-                request.extends = None
+                self.kv.release_held(request.held_kv)
+                request.held_kv = None
             self.running.append(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -233,7 +233,7 @@ class Scheduler:
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
         )
-        if request.retain_kv and completed:
+        if request.hold_kv and completed:
             self.kv.hold(request)
         else:
             self.kv.free(request)

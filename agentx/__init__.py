@@ -15,6 +15,7 @@ from agentx.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerCon
 from agentx.engine.client import Engine
 from agentx.engine.offload.manager import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
+from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream, RequestUsage
 from agentx.engine.structured import StructuredOutput
@@ -86,6 +87,7 @@ __all__ = [
     "PromptTooLongError",
     "Release",
     "RequestAbortedError",
+    "RequestOptions",
     "RequestOutput",
     "RequestStream",
     "RequestUsage",

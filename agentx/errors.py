@@ -118,6 +118,7 @@ class OffloadError(AgentXError):
     """An offload tier cannot start; a running tier never raises, it misses and skips."""
 
 
-def warn_renamed(old: str, new: str) -> None:
-    """Warn that a public name was renamed; the old one keeps working until it is removed."""
-    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
+def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn that a public name was renamed; the old one keeps working until it is removed.
+    ``stacklevel`` 3 names the caller of the function that calls this one."""
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=stacklevel)

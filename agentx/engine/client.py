@@ -13,12 +13,13 @@ import itertools
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 
 from agentx.config import EngineConfig
 from agentx.engine.core import EngineCore
 from agentx.engine.offload.manager import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
-from agentx.engine.request import Request
+from agentx.engine.request import Request, RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream
 from agentx.errors import (
@@ -57,14 +58,14 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        hold_kv: bool = False,
-        held_kv: str | None = None,
-        hints: tuple = (),
-        **renamed,
+        options: RequestOptions | None = None,
+        **fields,
     ) -> RequestStream:
         """Validate and queue a request; its deltas arrive on the returned stream.
+
+        ``options`` is a :class:`RequestOptions`; its fields may also be given as keywords
+        (``priority=-1``, ``cache_salt="tenant-a"``, ``hold_kv=True``, ``held_kv=handle``,
+        ``hints=(...)``), which override those of ``options``.
 
         ``hold_kv``: when it finishes, its KV is held whole under its request id (the handle)
         for a later request that passes it as ``held_kv`` and whose prompt starts with this
@@ -72,19 +73,10 @@ class Engine:
         KV you will not extend (``release_held``); unpinned held KV is also released by the
         engine when memory runs short. (``retain_kv`` / ``extends`` are deprecated names.)
         """
-        hold_kv, held_kv = _renamed_hold_kwargs(renamed, hold_kv, held_kv)
+        options = _make_options(options, fields)
         self._check_alive()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = self.core.make_request(
-            rid,
-            prompt,
-            sampling or SamplingParams(),
-            priority,
-            cache_salt,
-            hold_kv,
-            held_kv,
-            hints,
-        )
+        request = self.core.make_request(rid, prompt, sampling or SamplingParams(), options=options)
         stream = RequestStream(rid, request.prompt_token_ids)
         with self._cond:
             self._check_alive()
@@ -124,18 +116,13 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        hints: tuple = (),
+        options: RequestOptions | None = None,
+        **fields,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas; leaving early or being cancelled aborts it."""
+        """Yield the request's deltas; leaving early or being cancelled aborts it. Options as
+        in ``add_request``."""
         stream = self.add_request(
-            prompt,
-            sampling,
-            request_id=request_id,
-            priority=priority,
-            cache_salt=cache_salt,
-            hints=hints,
+            prompt, sampling, request_id=request_id, options=options, **fields
         )
         try:
             async for out in stream:
@@ -348,16 +335,14 @@ class Engine:
         self.close()
 
 
-def _renamed_hold_kwargs(
-    renamed: dict, hold_kv: bool, held_kv: str | None
-) -> tuple[bool, str | None]:
-    """``hold_kv`` / ``held_kv`` from the deprecated ``retain_kv`` / ``extends`` keywords."""
-    if "retain_kv" in renamed:
-        warn_renamed("add_request(retain_kv=...)", "add_request(hold_kv=...)")
-        hold_kv = bool(renamed.pop("retain_kv"))
-    if "extends" in renamed:
-        warn_renamed("add_request(extends=...)", "add_request(held_kv=...)")
-        held_kv = renamed.pop("extends")
-    if renamed:
-        raise TypeError(f"add_request() got unexpected keyword arguments {sorted(renamed)}")
-    return hold_kv, held_kv
+def _make_options(options: RequestOptions | None, fields: dict) -> RequestOptions:
+    """``options`` with the keyword fields applied (unknown names raise TypeError)."""
+    fields = dict(fields)
+    if "retain_kv" in fields:
+        warn_renamed("add_request(retain_kv=...)", "add_request(hold_kv=...)", stacklevel=4)
+        fields["hold_kv"] = bool(fields.pop("retain_kv"))
+    if "extends" in fields:
+        warn_renamed("add_request(extends=...)", "add_request(held_kv=...)", stacklevel=4)
+        fields["held_kv"] = fields.pop("extends")
+    options = options or RequestOptions()
+    return replace(options, **fields) if fields else options

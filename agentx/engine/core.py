@@ -24,13 +24,13 @@ from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.offload.build import layout_fingerprint, store_from_config
 from agentx.engine.offload.manager import KVExport, OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
-from agentx.engine.request import Request, RequestStatus
+from agentx.engine.request import Request, RequestOptions, RequestStatus
 from agentx.engine.runner import ModelRunner
 from agentx.engine.runner.model_runner import DTYPES
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.scheduler import Scheduler, make_output
 from agentx.engine.structured import GrammarBackend
-from agentx.errors import InvalidRequestError, PromptTooLongError
+from agentx.errors import InvalidRequestError
 
 
 @dataclass(slots=True)
@@ -115,29 +115,13 @@ class EngineCore:
         request_id: str,
         prompt: str | Sequence[int],
         sampling: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        hold_kv: bool = False,
-        held_kv: str | None = None,
-        hints: tuple = (),
+        *,
+        options: RequestOptions | None = None,
     ) -> Request:
         """Validate and build a request; raises InvalidRequestError before anything is queued."""
+        options = options or RequestOptions()
         token_ids = self._tokenize(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
-                "(the prompt must leave room for at least one output token)"
-            )
-        max_len = min(len(token_ids) + sampling.max_tokens, self.max_model_len)
-        if self.kv.get_max_num_blocks(max_len) > self.kv.pool.num_blocks - 1:
-            raise PromptTooLongError(
-                f"request needs up to {len(token_ids) + sampling.max_tokens} tokens of KV cache "
-                f"({len(token_ids)} prompt + max_tokens {sampling.max_tokens}), but the pool "
-                f"holds {self.kv.pool.num_blocks - 1} blocks: lower max_tokens or grow "
-                "CacheConfig.kv_cache_bytes"
-            )
-        if not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+        self.scheduler.check_fits(len(token_ids), sampling.max_tokens)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
         grammar = None
         if sampling.structured is not None:  # compiled here, on the caller's thread
@@ -148,12 +132,12 @@ class EngineCore:
             sampling=sampling,
             eos_token_ids=self.eos_token_ids,
             block_size=self.kv.block_size,
-            priority=priority,
-            cache_salt=cache_salt.encode() if cache_salt else b"",
+            priority=options.priority,
+            cache_salt=options.cache_salt.encode() if options.cache_salt else b"",
             seed=seed,
-            hold_kv=hold_kv,
-            held_kv=held_kv,
-            hints=tuple(hints),
+            hold_kv=options.hold_kv,
+            held_kv=options.held_kv,
+            hints=options.hints,
             grammar=grammar,
         )
 

@@ -52,4 +52,6 @@ class Release:
     drop_cached: bool = True
 
 
-__all__ = ["BranchPoint", "Pin", "Priority", "Release", "ToolLatency", "TurnsLeft"]
+Hint = ToolLatency | BranchPoint | TurnsLeft | Priority | Pin | Release
+
+__all__ = ["BranchPoint", "Hint", "Pin", "Priority", "Release", "ToolLatency", "TurnsLeft"]

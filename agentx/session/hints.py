@@ -8,7 +8,15 @@ tiers demote the waiting session and prefetch it back before the tool returns.
 
 from __future__ import annotations
 
-from agentx.engine.hints import BranchPoint, Pin, Priority, Release, ToolLatency, TurnsLeft
+from agentx.engine.hints import (
+    BranchPoint,
+    Hint,
+    Pin,
+    Priority,
+    Release,
+    ToolLatency,
+    TurnsLeft,
+)
 from agentx.errors import InvalidRequestError
 
 __all__ = [
@@ -21,8 +29,6 @@ __all__ = [
     "TurnsLeft",
     "make_hints",
 ]
-
-Hint = ToolLatency | BranchPoint | TurnsLeft | Priority | Pin | Release
 
 _KEYWORDS = {
     "tool_latency": ToolLatency,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import anyio
 
 from agentx.engine.client import Engine
+from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream
 from agentx.errors import (
@@ -198,14 +199,13 @@ class Session:
         return (context.fork(), self._held_kv, list(self._pending), dict(self._open_calls))
 
     def _submit(self, prompt: list[int], sampling: SamplingParams, hold_kv: bool) -> RequestStream:
-        stream = self.engine.add_request(
-            prompt,
-            sampling,
+        options = RequestOptions(
             priority=self._priority,
             hold_kv=hold_kv,
             held_kv=self._held_kv,
             hints=tuple(self._hints),
         )
+        stream = self.engine.add_request(prompt, sampling, options=options)
         self._held_kv = None  # the request adopts it (or it is released when the request runs)
         self._hints = []
         return stream

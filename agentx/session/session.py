@@ -19,6 +19,8 @@ only what the grammar allows, so the calls parse and validate, or the answer is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import anyio
 
 from agentx.engine.client import Engine
@@ -51,6 +53,18 @@ from agentx.session.turn import Turn
 _DEFAULT_SAMPLING = SamplingParams(max_tokens=512)
 
 
+@dataclass(slots=True)
+class _OpenTurn:
+    """The open turn: what an abort restores, and the request it has in flight."""
+
+    context: ChatContext  # the context before the turn (a fork of it)
+    held_kv: str | None  # the held KV the turn's first request continues from
+    pending: list[dict]
+    open_calls: dict[str, ToolCall]
+    inflight: RequestStream | None = None
+    committed: bool = False
+
+
 class Session:
     def __init__(
         self,
@@ -70,7 +84,7 @@ class Session:
         self._pending: list[dict] = []  # tool results and messages for the next turn
         self._open_calls: dict[str, ToolCall] = {}
         self._held_kv: str | None = None  # the handle of the last turn's held KV
-        self._busy = False
+        self._turn: _OpenTurn | None = None  # the open turn (turn.py, tool_stream.py)
         self._closed = False
         self._parent: Session | None = None
         self._children: list[Session] = []
@@ -164,7 +178,7 @@ class Session:
         new = list(self._pending)
         if message is not None:
             new.append(to_template_dict(coerce_message(message)))
-        return Turn(self, new, sampling, prefill, constraint)
+        return Turn(self, new, sampling, self._parser, prefill, constraint)
 
     async def send(
         self,
@@ -189,26 +203,44 @@ class Session:
     def _check_usable(self) -> None:
         if self._closed:
             raise SessionClosedError("this session is closed")
-        if self._busy:
+        if self._turn is not None:
             raise TurnInProgressError("a turn is already open on this session")
 
-    def _begin_turn(self) -> tuple:
+    # ---- the turn life cycle: what turn.py and tool_stream.py call ---------------------------
+    #
+    #   _begin_turn() -> context     one turn at a time; snapshots what an abort restores
+    #   _submit(prompt, sampling)    the turn's request: continues from the held KV, held in turn
+    #   _settle(stream)              that request finished: its KV is the session's held KV now
+    #   _commit_turn(...) / _commit_tool_result(...)   fold the turn into the history
+    #   _end_turn()                  close the turn; one not committed is aborted (_abort_turn)
+
+    def _begin_turn(self) -> ChatContext:
+        """Open a turn; returns the context its prompt is built on (and appended to)."""
         self._check_usable()
         context = self._ensure_context()
-        self._busy = True
-        return (context.fork(), self._held_kv, list(self._pending), dict(self._open_calls))
+        self._turn = _OpenTurn(
+            context.fork(), self._held_kv, list(self._pending), dict(self._open_calls)
+        )
+        return context
 
-    def _submit(self, prompt: list[int], sampling: SamplingParams, hold_kv: bool) -> RequestStream:
+    def _submit(self, prompt: list[int], sampling: SamplingParams) -> RequestStream:
         options = RequestOptions(
             priority=self._priority,
-            hold_kv=hold_kv,
+            hold_kv=True,
             held_kv=self._held_kv,
             hints=tuple(self._hints),
         )
         stream = self.engine.add_request(prompt, sampling, options=options)
         self._held_kv = None  # the request adopts it (or it is released when the request runs)
         self._hints = []
+        self._turn.inflight = stream
         return stream
+
+    def _settle(self, stream: RequestStream) -> None:
+        """The in-flight request finished; a completed one left its KV held for the next."""
+        completed = stream.final is not None and stream.final.finish_reason in ("stop", "length")
+        self._held_kv = stream.request_id if completed else None
+        self._turn.inflight = None
 
     def _commit_turn(
         self,
@@ -218,9 +250,10 @@ class Session:
         prefill_ids: list[int],
         prefill: str,
     ) -> None:
+        """The assistant's reply (``gen``, after ``prefill``) answers the ``sent`` messages."""
+        self._settle(self._turn.inflight)
         output_ids = prefill_ids + gen.token_ids
         self._context.commit_output(output_ids, prefill + gen.text, gen.finish_reason)
-        self._held_kv = gen.request_id if gen.finish_reason in ("stop", "length") else None
         if self._held_kv is not None and self._pinned:
             self.engine.pin_held_soon(self._held_kv)
         # tool results entered the history when they were added
@@ -229,16 +262,35 @@ class Session:
         self._pending = []
         self._open_calls = {c.id: c for c in message.tool_calls}
         self._add_usage(message.usage)
+        self._turn.committed = True
 
-    def _end_turn(self, snapshot: tuple, committed: bool) -> None:
-        self._busy = False
-        if committed:
+    def _commit_tool_result(self, call: ToolCall, content: str, is_error: bool) -> None:
+        """A streamed tool result is complete: the open tool message (its chunks already in
+        the context) is closed and enters the history."""
+        self._context.close_message()
+        self._messages.append(
+            ToolMessage(tool_call_id=call.id, content=content, is_error=is_error, name=call.name)
+        )
+        self._turn.committed = True
+
+    def _end_turn(self) -> None:
+        """Close the open turn; one that was not committed is aborted. Idempotent."""
+        if self._turn is not None and not self._turn.committed:
+            self._abort_turn()
+        self._turn = None
+
+    def _abort_turn(self) -> None:
+        """Abort the turn's request if it still runs and roll the session back to the turn's
+        start (the held KV it would have adopted is released)."""
+        turn, self._turn = self._turn, None
+        if turn is None:
             return
-        context, handle, pending, open_calls = snapshot
-        self._context, self._pending, self._open_calls = context, pending, open_calls
-        if handle is not None and self._held_kv is None:
+        if turn.inflight is not None and not turn.inflight.finished:
+            self.engine.abort(turn.inflight.request_id)
+        self._context, self._pending, self._open_calls = turn.context, turn.pending, turn.open_calls
+        if turn.held_kv is not None and self._held_kv is None:
             # the aborted request may never have run to adopt or release it
-            self.engine.release_held_soon(handle)
+            self.engine.release_held_soon(turn.held_kv)
 
     def _add_usage(self, usage: Usage | None) -> None:
         if usage is None:

@@ -136,3 +136,31 @@ def test_scheduler_holds_retained_requests_and_schedules_only_the_new_suffix():
     assert s.requests["turn2"].num_cached_tokens == 12
     assert "turn1" not in kv.held
     s.check_integrity()
+
+
+def test_the_offload_facade_loads_blocks_behind_a_device_prefix_into_held_kv():
+    kv = make_manager(8)  # 7 blocks of 4 tokens
+    kv.enable_publish_log()
+    a = make_request("a", list(range(12)))
+    kv.allocate_slots(a, 12)
+    assert [b.block_id for _, b in kv.take_published()] == [1, 2, 3]
+    a.num_computed_tokens = 12
+    kv.free(a)
+    b = make_request("b", list(range(16)) + [99])
+    prefix = kv.find_cached_prefix(b.block_hashes)
+    assert [blk.block_id for blk in prefix] == [1, 2, 3]
+    assert kv.get_num_loadable_blocks(prefix) == 4  # 7 free, 3 of them are the prefix
+    fresh = kv.prepare_load(prefix, 2)
+    assert [blk.block_id for blk in fresh] == [4, 5]
+    done = kv.complete_load(fresh, b.block_hashes[3:4], num_done=1)  # the second page failed
+    assert [blk.block_id for blk in done] == [4] and kv.take_published() == []
+    assert kv.pool.get_cached_block(b.block_hashes[3]).block_id == 4
+    kv.add_held("h", list(range(16)), (prefix + done,))
+    assert kv.get_held("h").num_tokens == 16
+    assert [blk.ref_cnt for blk in kv.pool.blocks[1:]] == [1, 1, 1, 1, 0, 0, 0]
+    kv.check_integrity()
+    kv.expect_return("h", 5.0)
+    assert kv.held.expected_return == {"h": 5.0}
+    kv.release_held("h")
+    assert kv.num_free_blocks == 7 and kv.held.expected_return == {}
+    kv.check_integrity()

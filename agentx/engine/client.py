@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from agentx.config import EngineConfig
 from agentx.engine.core import EngineCore
-from agentx.engine.offload.manager import KVExport
+from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import Request, RequestOptions
 from agentx.engine.sampling import SamplingParams

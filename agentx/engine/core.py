@@ -22,7 +22,8 @@ from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.offload.build import layout_fingerprint, store_from_config
-from agentx.engine.offload.manager import KVExport, OffloadManager
+from agentx.engine.offload.interface import KVExport, NullOffload, Offload
+from agentx.engine.offload.manager import OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
 from agentx.engine.request import Request, RequestOptions, RequestStatus
 from agentx.engine.runner import ModelRunner
@@ -91,7 +92,7 @@ class EngineCore:
             make_retention(cache.retention_policy, cache.prefix_cache_retention_interval),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.offload: OffloadManager | None = None
+        self.offload: Offload = NullOffload()
         if config.offload.enabled:
             fingerprint = layout_fingerprint(
                 str(config.model), config.dtype, self.runner.layout, self.spec.architecture
@@ -163,7 +164,7 @@ class EngineCore:
             request.sampling.stop,
             request.sampling.include_stop_str_in_output,
         )
-        if self.offload is not None and self.offload.on_request(request):
+        if self.offload.on_request(request):
             self.scheduler.park(request)  # its prefix loads from a tier; others run meanwhile
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
@@ -218,34 +219,25 @@ class EngineCore:
         return True
 
     def release_held(self, handle: str, drop_cached: bool = False) -> bool:
-        if self.offload is None:
-            return self.kv.release_held(handle, drop_cached)
-        hashes = self.offload.held_hashes(handle) if drop_cached else []
-        self.offload.forget_held(handle)
-        released = self.kv.release_held(handle, drop_cached)
-        self.offload.drop(hashes)  # release drops the session's blocks in every tier
-        return released
+        self.offload.on_release(handle, drop_cached)  # while its blocks are still there
+        return self.kv.release_held(handle, drop_cached)
 
     def pin_held(self, handle: str, pinned: bool = True) -> bool:
-        if self.offload is not None:
-            self.offload.pin(handle, pinned)  # a soft pin in every tier
+        self.offload.pin(handle, pinned)  # a soft pin in every tier
         return self.kv.pin_held(handle, pinned)
 
     def export_held(self, handle: str) -> KVExport | None:
         """Held KV's prefix as another engine sharing a tier can import it."""
-        return None if self.offload is None else self.offload.export(handle)
+        return self.offload.export(handle)
 
     def import_held(self, export: KVExport, handle: str) -> int:
         """Load an exported prefix from the shared tiers as held KV ``handle``."""
-        if self.offload is None:
-            return 0
         num = self.offload.import_(export, handle)
         self._requeue(self.offload.take_ready())
         return num
 
     def has_unfinished_requests(self) -> bool:
-        pending = self.offload is not None and self.offload.has_pending()
-        return self.scheduler.has_unfinished_requests() or pending
+        return self.scheduler.has_unfinished_requests() or self.offload.has_pending()
 
     def _requeue(self, ready: list[tuple[str, str]]) -> None:
         """Put requests whose prefix finished loading back in line, extending the loaded KV."""
@@ -257,25 +249,21 @@ class EngineCore:
                 request.held_kv = handle
 
     def close(self) -> None:
-        if self.offload is not None:
-            self.offload.close()
+        self.offload.close()
 
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.offload is not None:
-            self._requeue(self.offload.poll() + self.offload.take_ready())
+        self._requeue(self.offload.poll() + self.offload.take_ready())
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             self.runner.forget(sched_out.finished_request_ids)
-            if self.offload is not None:
-                self.offload.idle_wait()
+            self.offload.idle_wait()
             return []
         masks = self._grammar_masks(sched_out)
         runner_out = self.runner.execute(sched_out, masks)
         deltas = self.scheduler.update_from_output(sched_out, runner_out)
-        if self.offload is not None:
-            self.offload.after_step()  # this step's KV is written: store what it published
+        self.offload.after_step()  # this step's KV is written: store what it published
         return [self._with_text(d) for d in deltas]
 
     def _with_text(self, delta: RequestOutput) -> RequestOutput:
@@ -313,13 +301,12 @@ class EngineCore:
             kv_num_cached_blocks=len(kv.pool.cached),
             kv_usage=kv.get_usage(),
             kv_num_held=len(kv.held),
-            **(self.offload.get_stats() if self.offload is not None else {}),
+            **self.offload.get_stats(),
         )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        if self.offload is not None:
-            self.offload.check_integrity()
+        self.offload.check_integrity()
         assert set(self._texts) == set(self.scheduler.requests), "text state drifted"
         rows = set(self.runner.input_batch.row_of)
         known = self.scheduler.get_runner_request_ids()

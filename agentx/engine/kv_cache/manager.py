@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
-from agentx.engine.kv_cache.held import BlockCopy, HeldKVManager
+from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.kv_cache.held import BlockCopy, HeldKV, HeldKVManager
 from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
@@ -161,6 +162,69 @@ class KVCacheManager:
 
     def pin_held(self, handle: str, pinned: bool = True) -> bool:
         return self.held.set_pinned(handle, pinned)
+
+    def get_held(self, handle: str | None) -> HeldKV | None:
+        return self.held.get(handle)
+
+    # ---- for the offload tiers (offload/manager.py); single-group layouts only ----------------
+
+    def enable_publish_log(self) -> None:
+        """From now on, record every block published to the prefix cache (``take_published``)."""
+        self.pool.published = []
+
+    def take_published(self) -> list[tuple[BlockHash, KVBlock]]:
+        """Drain the (hash, block) pairs published since the last call, still cached as such."""
+        return self.pool.take_published()
+
+    def find_cached_prefix(self, block_hashes: list[BlockHash]) -> list[KVBlock]:
+        """The device blocks of the longest cached prefix of ``block_hashes``; no side effects."""
+        max_length = len(block_hashes) * self.block_size
+        blocks, _ = self.coordinator.find_longest_cache_hit(block_hashes, max_length)
+        return list(blocks[0])
+
+    def get_num_loadable_blocks(self, prefix: list[KVBlock]) -> int:
+        """How many fresh blocks ``prepare_load(prefix, n)`` can allocate right now."""
+        return self.pool.num_free_blocks - sum(1 for b in prefix if b.ref_cnt == 0)
+
+    def prepare_load(self, prefix: list[KVBlock], num_blocks: int) -> list[KVBlock]:
+        """Reference the device ``prefix`` and allocate ``num_blocks`` fresh blocks for the
+        pages that continue it; ``complete_load`` gives them their content's hashes."""
+        self.pool.touch(prefix)
+        return self.pool.allocate_blocks(num_blocks)
+
+    def complete_load(
+        self, blocks: list[KVBlock], block_hashes: list[BlockHash], num_done: int
+    ) -> list[KVBlock]:
+        """The first ``num_done`` blocks hold their pages now: cache them (not published: the
+        tiers have them); the rest failed and go back to the pool. Returns the done blocks."""
+        done, failed = blocks[:num_done], blocks[num_done:]
+        log, self.pool.published = self.pool.published, None
+        for block, block_hash in zip(done, block_hashes, strict=False):
+            self.pool.cache_block(block, block_hash)
+        self.pool.published = log
+        self.pool.free_blocks(failed)
+        return done
+
+    def free_blocks(self, blocks: list[KVBlock]) -> None:
+        """Drop a reference from each block, last block first: the tail is evicted first."""
+        self.pool.free_blocks(reversed(blocks))
+
+    def demote_cached(self, block_hashes: list[BlockHash]) -> None:
+        """Free cached blocks of these hashes are reused before other cached ones (a lower
+        tier keeps their content); held blocks are skipped."""
+        blocks = [self.pool.get_cached_block(h) for h in block_hashes]
+        self.pool.demote_blocks([b for b in blocks if b is not None])
+
+    def add_held(self, handle: str, token_ids: list[int], blocks: GroupBlocks) -> None:
+        """Hold ``blocks`` (their references move in) as the KV of ``token_ids``."""
+        self.held.add(handle, token_ids, blocks)
+
+    def expect_return(self, handle: str, at: float) -> None:
+        """Held KV whose session is back at ``at``: under pressure, the one expected back last
+        is released first."""
+        self.held.expected_return[handle] = at
+
+    # ---- introspection -----------------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))

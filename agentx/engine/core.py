@@ -1,8 +1,12 @@
 """EngineCore: one step = schedule -> execute -> update -> outputs.
 
-Single-threaded and synchronous; the engine client drives it from its loop thread. It validates
-requests before they reach the scheduler, detokenizes outputs incrementally and applies stop
-strings (which need text, so the scheduler cannot).
+Synchronous: the engine client drives ``step()`` and every state change from its loop thread,
+under its step lock. Three things run on other threads: ``make_request`` on the caller's (it
+tokenizes, checks sizes fixed at start, draws a seed and compiles a grammar under the grammar
+lock; it touches no scheduler or KV state), grammar bitmasks on a worker thread while the model
+runs, and offload transfers on the offload transfer worker. The core validates requests before
+they reach the scheduler, detokenizes outputs incrementally and applies stop strings (which
+need text, so the scheduler cannot).
 """
 
 from __future__ import annotations

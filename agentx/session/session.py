@@ -419,7 +419,8 @@ class Session:
     def hint(self, *hints: Hint, **shorthand) -> None:
         """Tell the runtime what comes next (``ToolLatency(8.0)``, ``BranchPoint(4)``,
         ``TurnsLeft(30)``, ``Priority(-1)``, ``Pin()``, ``Release()``, or keywords such as
-        ``tool_latency=8.0``, ``priority=-1``, ``pin=True``, ``release=True``)."""
+        ``tool_latency=8.0``, ``priority=-1``, ``pin=True``, ``release=True``).
+        ``BranchPoint`` and ``TurnsLeft`` are advisory (see hints.py)."""
         self._check_closed()
         for item in make_hints(hints, shorthand):
             if isinstance(item, Priority):

@@ -3,7 +3,7 @@
 It answers in typed records (:class:`KVCacheBlocks`, one block list per KV group) and keeps the
 prefix-cache statistics. It does not know how requests are ordered or what the model is.
 
-    get_computed_blocks(request)          -> the prefix hit (no side effects on the pool)
+    get_computed_blocks(request)          -> the prefix hit (no side effects)
     allocate_slots(request, n, hit)       -> the blocks for n more tokens, or None if they don't fit
     free(request)                         -> every block back to the pool (cached content kept)
     hold(request)                         -> keep a finished request's blocks for the next turn
@@ -73,7 +73,8 @@ class KVCacheManager:
         return KVCacheBlocks(tuple([] for _ in self.layout.groups))
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The longest cached prefix of the request, and its length in tokens.
+        """The longest cached prefix of the request, and its length in tokens; no side effects
+        (``allocate_slots`` counts the query when the request takes the hit).
 
         The last token is always recomputed: its logits are needed to sample.
         """
@@ -93,9 +94,6 @@ class KVCacheManager:
                 num_blocks = -(-num_held // self.block_size)
                 hit = KVCacheBlocks(tuple(g[:num_blocks] for g in held.blocks), held.handle)
                 num_hit = num_held
-        self.stats.num_queries += 1
-        self.stats.num_query_tokens += request.num_tokens
-        self.stats.num_hit_tokens += num_hit
         return hit, num_hit
 
     def allocate_slots(
@@ -107,9 +105,12 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens after taking a prefix hit.
 
-        Returns the newly allocated blocks, or None (nothing changed) when the pool cannot
-        hold them right now. Blocks full once these tokens are computed are published to the
-        prefix cache now: within one step every KV write happens before any attention read.
+        Returns the newly allocated blocks, or None when the pool cannot hold them right now;
+        the request's own blocks are then unchanged, but unpinned held KV may have been
+        released trying to make room and blocks that left a sliding window were freed. Blocks
+        full once these tokens are computed are published to the prefix cache now: within one
+        step every KV write happens before any attention read. A request taking a prefix hit
+        (``new_computed_blocks`` given, even empty) counts as one prefix-cache query.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
@@ -129,6 +130,10 @@ class KVCacheManager:
         new_blocks = self.coordinator.allocate_new_blocks(request, num_total)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_total)
+        if new_computed_blocks is not None:
+            self.stats.num_queries += 1
+            self.stats.num_query_tokens += request.num_tokens
+            self.stats.num_hit_tokens += num_new_computed_tokens
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request) -> None:
@@ -148,7 +153,8 @@ class KVCacheManager:
     def fork_held(self, handle: str, new_handles: list[str]) -> list[BlockCopy] | None:
         """Copy-on-write forks of held KV; the caller runs the returned block copies
         before any request uses the new handles. None when the handle is unknown or the pool
-        has no room for the tail copies."""
+        has no room for the tail copies (other unpinned held KV may have been released trying
+        to make room)."""
         if handle not in self.held:
             return None
         copies = self.held.fork(handle, new_handles)

@@ -26,8 +26,6 @@ from agentx.engine.request import FINISH_REASONS, Request, RequestStatus
 from agentx.engine.scheduler.queues import QUEUES
 from agentx.errors import PromptTooLongError
 
-_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-
 
 class Scheduler:
     def __init__(

@@ -50,9 +50,18 @@ def wait_for(predicate, timeout=60.0):
 
 
 def assert_clean(engine):
+    """The exact idle state every test ends in: no request, no held KV (each test's held KV
+    was adopted or released), every one of the 15 blocks free with ref count 0, no load or
+    prefetch pending."""
     engine.check_integrity()
+    with engine._step_lock:
+        core = engine.core
+        assert not core.scheduler.requests and len(core.kv.held) == 0
+        assert core.kv.num_free_blocks == POOL.num_blocks - 1 == 15
+        assert [b.ref_cnt for b in core.kv.pool.blocks[1:]] == [0] * 15
+        assert not core.offload.loads and not core.offload.tool_waits
     stats = engine.stats()
-    assert stats.kv_num_used_blocks == 0 or stats.kv_num_held > 0
+    assert stats.kv_num_used_blocks == 0 and stats.kv_num_held == 0
 
 
 def test_device_eviction_and_reload_from_host(prompts):
@@ -164,6 +173,8 @@ def test_release_drops_a_session_everywhere_and_pin_reaches_the_tiers(prompts):
     with offload_engine(host_bytes=64 * PAGE_BYTES) as engine:
         stream = engine.add_request(a, GREEDY, hold_kv=True)
         stream.result(timeout=300)
+        stats = engine.stats()  # 185 computed tokens held: 12 blocks, one reference each
+        assert stats.kv_num_held == 1 and stats.kv_num_used_blocks == 12
         offload = engine.core.offload
         with engine._step_lock:
             offload.flush()

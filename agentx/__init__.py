@@ -13,8 +13,9 @@ env.apply_cpu_defaults()  # before anything below imports torch
 
 from agentx.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
 from agentx.engine.client import Engine
-from agentx.engine.offload.manager import KVExport
+from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
+from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream, RequestUsage
 from agentx.engine.structured import StructuredOutput
@@ -86,6 +87,7 @@ __all__ = [
     "PromptTooLongError",
     "Release",
     "RequestAbortedError",
+    "RequestOptions",
     "RequestOutput",
     "RequestStream",
     "RequestUsage",

@@ -1,8 +1,10 @@
 """The one place agentx reads ``AGENTX_*`` environment variables.
 
 Every variable has one small function here; the rest of the code calls the function and never
-touches ``os.environ`` itself, so the list below is the complete list. Values are read on every
-call (not at import), so tests can change them with ``monkeypatch``.
+touches ``os.environ`` itself, so the list below is the complete list. The functions read the
+environment each time they are called, not at import; but ``AGENTX_KERNELS`` takes effect once,
+when ``agentx.kernels`` is imported (the kernel dispatch is fixed for the process), while the
+folders are looked up by each caller when it needs them.
 
 Variables:
     AGENTX_CACHE_DIR   root folder for files agentx derives and keeps between runs (built

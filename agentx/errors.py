@@ -28,6 +28,8 @@ that already catches ``ValueError`` for bad input keeps working.
 
 from __future__ import annotations
 
+import warnings
+
 __all__ = [
     "AgentXError",
     "ConfigError",
@@ -114,3 +116,9 @@ class UnknownToolCallError(SessionError, InvalidRequestError):
 
 class OffloadError(AgentXError):
     """An offload tier cannot start; a running tier never raises, it misses and skips."""
+
+
+def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn that a public name was renamed; the old one keeps working until it is removed.
+    ``stacklevel`` 3 names the caller of the function that calls this one."""
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=stacklevel)

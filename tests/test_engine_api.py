@@ -11,6 +11,7 @@ from agentx import (
     InvalidRequestError,
     PromptTooLongError,
     RequestAbortedError,
+    RequestOptions,
     SamplingParams,
     SamplingParamsError,
 )
@@ -152,6 +153,29 @@ def test_bad_prompts_are_rejected_before_scheduling(default_engine):
     assert default_engine.stats().num_steps == before.num_steps
 
 
+def test_request_options_come_as_one_record_or_as_its_fields(default_engine):
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompt = "A record of options, salted for one tenant only. " * 4
+    options = RequestOptions(priority=2, cache_salt="options-test")
+    by_record = default_engine.add_request(prompt, params, options=options).result(timeout=60)
+    by_fields = default_engine.add_request(
+        prompt, params, priority=2, cache_salt="options-test"
+    ).result(timeout=60)
+    assert by_record.token_ids == by_fields.token_ids and len(by_record.token_ids) == 3
+    # the same salt: the second run hits every full block of the first's prompt
+    block_size = default_engine.core.kv.block_size
+    num_full = (by_record.usage.prompt_tokens - 1) // block_size * block_size
+    assert by_record.usage.cached_tokens == 0 and by_fields.usage.cached_tokens == num_full > 0
+    with pytest.raises(InvalidRequestError, match="priority must be an int"):
+        RequestOptions(priority="high")
+    with pytest.raises(InvalidRequestError, match="priority must be an int"):
+        default_engine.add_request("Hello", params, options=options, priority=1.5)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        default_engine.add_request("Hello", params, priorty=1)
+    assert RequestOptions(hints=[]).hints == ()
+    assert default_engine.get_num_live_requests() == 0
+
+
 def test_abort_frees_blocks_and_fails_the_stream(default_engine):
     stream = default_engine.add_request(
         "Count to one hundred:", SamplingParams(max_tokens=500, ignore_eos=True)
@@ -226,7 +250,9 @@ def test_priority_queue_admits_lower_priority_value_first(make_engine):
     engine.close()  # drive the core by hand for an exact order
     p = SamplingParams(max_tokens=2, ignore_eos=True)
     for rid, prio in [("late-low", 5), ("urgent", -1), ("normal", 0)]:
-        core.add_request(core.make_request(rid, [1, 2, 3], p, priority=prio))
+        core.add_request(
+            core.make_request(rid, [1, 2, 3], p, options=RequestOptions(priority=prio))
+        )
     order = []
     while core.has_unfinished_requests():
         for out in core.step():
@@ -245,7 +271,7 @@ def test_runner_rows_are_released_when_the_last_requests_finish(make_engine):
         engine.generate(["a", "b", "c", "d"], SamplingParams(max_tokens=2, ignore_eos=True))
         # a control op wakes the loop for a step with nothing to schedule: the ids that
         # finished last are reported to the runner there, not lost
-        engine.release_kv_soon("no-such-handle")
+        engine.release_held_soon("no-such-handle")
         for _ in range(100):
             if not engine.core.runner.input_batch.row_of:
                 break

@@ -1,9 +1,9 @@
-"""Held sequences through the real engine: the next turn and each fork compute only their new
+"""Held KV through the real engine: the next turn and each fork compute only their new
 tokens, and greedy output equals a cold run without any cache."""
 
 import pytest
 
-from agentx import CacheConfig, SamplingParams
+from agentx import CacheConfig, KVExport, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -21,20 +21,20 @@ def run(engine, prompt, **kw):
     return engine.add_request(prompt, GREEDY, **kw).result(timeout=120)
 
 
-def test_next_turn_extends_the_held_sequence(make_engine, cold):
+def test_next_turn_continues_from_the_held_kv(make_engine, cold):
     engine = make_engine()
     tok = engine.tokenizer
     p1 = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name a fruit."}]))
-    s1 = engine.add_request(p1, GREEDY, retain_kv=True)
+    s1 = engine.add_request(p1, GREEDY, hold_kv=True)
     g1 = s1.result(timeout=120)
-    assert engine.stats().kv_num_held_sequences == 1
+    assert engine.stats().kv_num_held == 1
     p2 = p1 + g1.token_ids + tok.encode("\n<|im_start|>user\nAnother one.<|im_end|>\n")
-    g2 = run(engine, p2, extends=s1.request_id)
+    g2 = run(engine, p2, held_kv=s1.request_id)
     computed_before = len(p1) + len(g1.token_ids) - 1  # the last sampled token never ran
     assert g2.usage.cached_tokens == computed_before
     assert g2.usage.computed_prompt_tokens == len(p2) - computed_before
     assert g2.token_ids == run(cold, p2).token_ids
-    assert engine.stats().kv_num_held_sequences == 0
+    assert engine.stats().kv_num_held == 0
     engine.check_integrity()
     assert engine.stats().kv_num_used_blocks == 0
 
@@ -42,20 +42,54 @@ def test_next_turn_extends_the_held_sequence(make_engine, cold):
 def test_forks_share_the_parent_and_compute_only_their_own_tokens(make_engine, cold):
     engine = make_engine()
     p1 = engine.tokenizer.encode("A list of animals: cat, dog,")
-    s1 = engine.add_request(p1, GREEDY, retain_kv=True)
+    s1 = engine.add_request(p1, GREEDY, hold_kv=True)
     g1 = s1.result(timeout=120)
-    handles = engine.fork_kv(s1.request_id, 2)
-    assert len(handles) == 2 and engine.stats().kv_num_held_sequences == 3
+    handles = engine.fork_held(s1.request_id, 2)
+    assert len(handles) == 2 and engine.stats().kv_num_held == 3
     base = p1 + g1.token_ids
     children = [base + engine.tokenizer.encode(s) for s in (" bird", " and fish")]
     streams = [
-        engine.add_request(c, GREEDY, extends=h) for c, h in zip(children, handles, strict=True)
+        engine.add_request(c, GREEDY, held_kv=h) for c, h in zip(children, handles, strict=True)
     ]
     gens = [s.result(timeout=120) for s in streams]
     for child, gen in zip(children, gens, strict=True):
         assert gen.usage.cached_tokens == len(base) - 1
         assert gen.token_ids == run(cold, child).token_ids
-    assert engine.release_kv(s1.request_id)
-    assert not engine.release_kv(s1.request_id)
+    assert engine.release_held(s1.request_id)
+    assert not engine.release_held(s1.request_id)
     engine.check_integrity()
     assert engine.stats().kv_num_used_blocks == 0
+
+
+def test_the_old_held_kv_names_still_work_and_warn(make_engine, cold):
+    engine = make_engine()
+    p1 = engine.tokenizer.encode("A list of animals: cat, dog,")
+    with pytest.warns(DeprecationWarning, match="retain_kv"):
+        s1 = engine.add_request(p1, GREEDY, retain_kv=True)
+    g1 = s1.result(timeout=120)
+    with pytest.warns(DeprecationWarning, match="kv_num_held_sequences"):
+        assert engine.stats().kv_num_held_sequences == 1
+    with pytest.warns(DeprecationWarning, match="Engine.pin_kv"):
+        assert engine.pin_kv(s1.request_id)
+    assert engine.core.kv.held.get(s1.request_id).pinned
+    with pytest.warns(DeprecationWarning, match="Engine.fork_kv"):
+        [child] = engine.fork_kv(s1.request_id, 1)
+    p2 = p1 + g1.token_ids + engine.tokenizer.encode(" bird")
+    with pytest.warns(DeprecationWarning, match="extends"):
+        g2 = run(engine, p2, extends=child)
+    assert g2.usage.cached_tokens == len(p1) + len(g1.token_ids) - 1
+    assert g2.token_ids == run(cold, p2).token_ids
+    with pytest.warns(DeprecationWarning, match="Engine.export_kv"):
+        assert engine.export_kv(s1.request_id) is None  # no offload tiers
+    with pytest.warns(DeprecationWarning, match="Engine.import_kv"):
+        assert engine.import_kv(KVExport((), ())) is None
+    with pytest.warns(DeprecationWarning, match="Engine.pin_kv_soon"):
+        engine.pin_kv_soon("no-such-handle")
+    with pytest.warns(DeprecationWarning, match="Engine.release_kv_soon"):
+        engine.release_kv_soon("no-such-handle")
+    with pytest.warns(DeprecationWarning, match="Engine.release_kv"):
+        assert engine.release_kv(s1.request_id)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        engine.add_request(p1, GREEDY, retain=True)
+    engine.check_integrity()
+    assert engine.stats().kv_num_held == 0 and engine.stats().kv_num_used_blocks == 0

@@ -198,14 +198,14 @@ def test_ten_turns_and_forks_hit_the_cache_and_match_cold(engine: Engine, make_e
         if turn:
             assert gen.usage.cached_tokens >= len(prompt) - 40, f"turn {turn}: {gen.usage}"
         prompt = prompt + gen.token_ids + tok.encode(f" step {turn} of the loop")[1:]
-    stream = engine.add_request(prompt, params, retain_kv=True)
+    stream = engine.add_request(prompt, params, hold_kv=True)
     parent = stream.result(timeout=300)
-    handles = engine.fork_kv(stream.request_id, 2)
+    handles = engine.fork_held(stream.request_id, 2)
     base = prompt + parent.token_ids
     children = [base + tok.encode(s)[1:] for s in (" and then", " but also")]
     for child, handle in zip(children, handles, strict=True):
-        gen = engine.add_request(child, params, extends=handle).result(timeout=300)
+        gen = engine.add_request(child, params, held_kv=handle).result(timeout=300)
         assert gen.usage.cached_tokens == len(base) - 1
         assert gen.token_ids == cold.generate([child], params)[0].token_ids
-    engine.release_kv(stream.request_id)
+    engine.release_held(stream.request_id)
     engine.check_integrity()

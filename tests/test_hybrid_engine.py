@@ -100,17 +100,17 @@ def test_without_checkpoints_a_hybrid_gets_no_hits(engines):
 def test_held_forks_continue_their_own_linear_state(engines):
     engine, cold = engines("marconi"), engines("cold")
     parent_prompt = random_tokens(37, seed=4)
-    stream = engine.add_request(parent_prompt, GREEDY, retain_kv=True)
+    stream = engine.add_request(parent_prompt, GREEDY, hold_kv=True)
     parent = stream.result(timeout=120)
-    handles = engine.fork_kv(stream.request_id, 3)
+    handles = engine.fork_held(stream.request_id, 3)
     assert len(handles) == 3
     base = parent_prompt + parent.token_ids
     children = [base + random_tokens(5, seed=10 + i) for i in range(3)]
     pairs = zip(children, handles, strict=True)
-    streams = [engine.add_request(c, GREEDY, extends=h) for c, h in pairs]
+    streams = [engine.add_request(c, GREEDY, held_kv=h) for c, h in pairs]
     for child, s in zip(children, streams, strict=True):
         gen = s.result(timeout=120)
         assert gen.usage.cached_tokens == len(base) - 1  # the whole held state, tail included
         assert gen.token_ids == run(cold, child).token_ids
-    assert engine.release_kv(stream.request_id)
+    assert engine.release_held(stream.request_id)
     engine.check_integrity()

@@ -50,9 +50,18 @@ def wait_for(predicate, timeout=60.0):
 
 
 def assert_clean(engine):
+    """The exact idle state every test ends in: no request, no held KV (each test's held KV
+    was adopted or released), every one of the 15 blocks free with ref count 0, no load or
+    prefetch pending."""
     engine.check_integrity()
+    with engine._step_lock:
+        core = engine.core
+        assert not core.scheduler.requests and len(core.kv.held) == 0
+        assert core.kv.num_free_blocks == POOL.num_blocks - 1 == 15
+        assert [b.ref_cnt for b in core.kv.pool.blocks[1:]] == [0] * 15
+        assert not core.offload.loads and not core.offload.tool_waits
     stats = engine.stats()
-    assert stats.kv_num_used_blocks == 0 or stats.kv_num_held_sequences > 0
+    assert stats.kv_num_used_blocks == 0 and stats.kv_num_held == 0
 
 
 def test_device_eviction_and_reload_from_host(prompts):
@@ -137,7 +146,7 @@ def test_abort_while_loading_leaks_nothing(prompts):
         wait_for(lambda: not engine.core.offload.loads and not engine.core.scheduler.requests)
         engine.check_integrity()
         stats = engine.stats()
-        assert stats.kv_num_used_blocks == 0 and stats.kv_num_held_sequences == 0
+        assert stats.kv_num_used_blocks == 0 and stats.kv_num_held == 0
 
 
 def test_tool_latency_demotes_then_prefetches_before_the_tool_returns(prompts):
@@ -145,15 +154,15 @@ def test_tool_latency_demotes_then_prefetches_before_the_tool_returns(prompts):
     with offload_engine(host_bytes=64 * PAGE_BYTES, prefetch_margin_s=0.5) as engine:
         now = [1000.0]
         engine.core.offload.clock = lambda: now[0]
-        first = engine.add_request(a, GREEDY, retain_kv=True, hints=(ToolLatency(30.0),))
+        first = engine.add_request(a, GREEDY, hold_kv=True, hints=(ToolLatency(30.0),))
         gen1 = first.result(timeout=300)
         run(engine, b)  # needs the room: the session waiting on its tool is released
-        assert engine.stats().kv_num_held_sequences == 0
+        assert engine.stats().kv_num_held == 0
         now[0] += 29.6  # within the margin of the expected return
         wait_for(lambda: engine.stats().offload_num_prefetches == 1)
-        wait_for(lambda: engine.stats().kv_num_held_sequences == 1)
+        wait_for(lambda: engine.stats().kv_num_held == 1)
         turn2 = a + gen1.token_ids + [13, 42, 7]
-        gen2 = run(engine, turn2, extends=first.request_id)
+        gen2 = run(engine, turn2, held_kv=first.request_id)
         assert gen2.usage.cached_tokens == 176  # the full blocks came back before the turn
         assert gen2.token_ids == cold_tokens(prompts, turn2)
         assert_clean(engine)
@@ -162,16 +171,18 @@ def test_tool_latency_demotes_then_prefetches_before_the_tool_returns(prompts):
 def test_release_drops_a_session_everywhere_and_pin_reaches_the_tiers(prompts):
     _, a, _ = prompts
     with offload_engine(host_bytes=64 * PAGE_BYTES) as engine:
-        stream = engine.add_request(a, GREEDY, retain_kv=True)
+        stream = engine.add_request(a, GREEDY, hold_kv=True)
         stream.result(timeout=300)
+        stats = engine.stats()  # 185 computed tokens held: 12 blocks, one reference each
+        assert stats.kv_num_held == 1 and stats.kv_num_used_blocks == 12
         offload = engine.core.offload
         with engine._step_lock:
             offload.flush()
             hashes = offload.held_hashes(stream.request_id)
         assert len(hashes) == 11 and offload.store.lookup(hashes).num_hits == 11
-        assert engine.pin_kv(stream.request_id)
+        assert engine.pin_held(stream.request_id)
         assert offload.store.tiers[0].get_stats().num_pinned == 11
-        assert engine.release_kv(stream.request_id, drop_cached=True)
+        assert engine.release_held(stream.request_id, drop_cached=True)
         assert offload.store.lookup(hashes).num_hits == 0
         assert_clean(engine)
 
@@ -179,14 +190,14 @@ def test_release_drops_a_session_everywhere_and_pin_reaches_the_tiers(prompts):
 def test_migration_between_engines_through_a_shared_tier(prompts, tmp_path):
     _, a, _ = prompts
     with offload_engine(disk_path=tmp_path) as source, offload_engine(disk_path=tmp_path) as dest:
-        stream = source.add_request(a, GREEDY, retain_kv=True)
+        stream = source.add_request(a, GREEDY, hold_kv=True)
         gen = stream.result(timeout=300)
-        export = source.export_kv(stream.request_id)
+        export = source.export_held(stream.request_id)
         assert export is not None and len(export.block_hashes) == 11
-        handle = dest.import_kv(export)
+        handle = dest.import_held(export)
         assert handle is not None
         turn2 = a + gen.token_ids + [13, 42]
-        moved = run(dest, turn2, extends=handle)
+        moved = run(dest, turn2, held_kv=handle)
         assert moved.usage.cached_tokens == 176
         assert moved.token_ids == cold_tokens(prompts, turn2)
         assert_clean(dest)

@@ -26,6 +26,7 @@ def test_second_request_hits_shared_prefix_and_shares_blocks():
     b = make_request("b", list(range(8)) + [99, 98, 97])
     hit, n = kv.get_computed_blocks(b)
     assert n == 8 and ids(hit) == [1, 2]
+    assert kv.stats.num_queries == 0  # a lookup has no side effects; taking the hit counts
     new = kv.allocate_slots(b, 3, 8, hit)
     assert ids(new) == [4]
     assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
@@ -169,4 +170,22 @@ def test_blocks_published_but_never_computed_are_forgotten_on_free():
     b = make_request("b", list(range(12)) + [5])
     hit, n = kv.get_computed_blocks(b)
     assert n == 4 and ids(hit) == [1]
+    kv.check_integrity()
+
+
+def test_a_lookup_counts_once_when_its_request_takes_the_hit():
+    kv = make_manager(5)  # 4 blocks of 4 tokens
+    a = make_request("a", list(range(8)))
+    kv.allocate_slots(a, 8, 0, kv.get_computed_blocks(a)[0])  # blocks 1, 2
+    c = make_request("c", [100, 101, 102, 103])
+    kv.allocate_slots(c, 4)  # block 3; no lookup, no query
+    b = make_request("b", list(range(8)) + [50, 51, 52, 53, 54])
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 8 and kv.allocate_slots(b, 5, n, hit) is None  # 2 more blocks, 1 free
+    assert (kv.stats.num_queries, kv.stats.num_query_tokens, kv.stats.num_hit_tokens) == (1, 8, 0)
+    kv.free(c)
+    hit, n = kv.get_computed_blocks(b)
+    # c never computed its block: uncached on free, it is reused first
+    assert ids(kv.allocate_slots(b, 5, n, hit)) == [3, 4]
+    assert (kv.stats.num_queries, kv.stats.num_query_tokens, kv.stats.num_hit_tokens) == (2, 21, 8)
     kv.check_integrity()

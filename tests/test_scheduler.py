@@ -128,9 +128,14 @@ def test_prefill_schedule_interval_holds_new_prefills_while_decoding():
 
 def test_request_that_can_never_fit_is_rejected():
     s = make_scheduler(num_blocks=5)  # 16 tokens of KV
-    with pytest.raises(PromptTooLongError):
+    with pytest.raises(
+        PromptTooLongError, match=r"up to 17 tokens .* 5 blocks, but the pool holds 4"
+    ):
         s.add_request(make_request("big", list(range(10)), max_tokens=7))
+    with pytest.raises(PromptTooLongError, match="prompt has 256 tokens; the model context is 256"):
+        s.check_fits(256, 1)  # the engine's own check, on the caller's thread
     s.add_request(make_request("ok", list(range(10)), max_tokens=6))
+    assert set(s.requests) == {"ok"}
 
 
 def test_abort_frees_every_block_and_tells_the_runner():

@@ -43,7 +43,7 @@ def prompt_ids(session):
     return ctx.token_ids[: ctx.last_prompt_len]
 
 
-async def test_turns_extend_the_held_sequence(default_engine):
+async def test_turns_continue_from_the_held_kv(default_engine):
     async with Session(default_engine, sampling=SHORT) as s:
         r1 = await s.send("Name a color.")
         assert r1.usage.cached_tokens == 0 or r1.usage.cached_tokens % 16 == 0
@@ -57,7 +57,7 @@ async def test_turns_extend_the_held_sequence(default_engine):
         assert [m.role for m in s.messages] == ["user", "assistant"] * 3
         assert r.usage.ttft_s > 0 and r.usage.output_tokens_per_s > 0
     stats = wait_idle(default_engine)
-    assert stats.kv_num_held_sequences == 0 and stats.kv_num_used_blocks == 0
+    assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
     default_engine.check_integrity()
 
 
@@ -154,7 +154,7 @@ def test_cancelled_turn_aborts_and_rolls_back(default_engine, backend):
 
     anyio.run(main, backend=backend)
     stats = wait_idle(default_engine)
-    assert stats.kv_num_used_blocks == 0 and stats.kv_num_held_sequences == 0
+    assert stats.kv_num_used_blocks == 0 and stats.kv_num_held == 0
     default_engine.check_integrity()
 
 
@@ -174,7 +174,7 @@ async def test_misuse_raises_clear_errors(default_engine):
         await s.send("after close")
     with pytest.raises(SessionClosedError):
         await child.send("child after parent closed")
-    assert wait_idle(default_engine).kv_num_held_sequences == 0
+    assert wait_idle(default_engine).kv_num_held == 0
 
 
 async def test_hints_priority_pin_release(make_engine):
@@ -199,7 +199,7 @@ async def test_hints_priority_pin_release(make_engine):
     assert order == ["a", "b", "c"]
     a.hint(pin=True)
     wait_idle(engine)
-    assert engine.core.kv.held.get(a._handle).pinned
+    assert engine.core.kv.held.get(a._held_kv).pinned
     b.hint(release=True)
     cached_before = engine.stats().kv_num_cached_blocks
     await b.close()

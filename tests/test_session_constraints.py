@@ -176,7 +176,7 @@ def test_misuse_raises_before_the_turn_opens():
     preset = SamplingParams(structured=StructuredOutput(regex="[0-9]+"))
     with pytest.raises(InvalidRequestError, match="already set"):
         s.stream("x", sampling=preset, tool_choice="required")
-    assert s._engine is None and not s._busy
+    assert s._engine is None and s._turn is None
 
 
 # ---- what the grammars accept (the default model's tokenizer, no weights) ---------------------

@@ -13,15 +13,21 @@ import itertools
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 
 from agentx.config import EngineConfig
 from agentx.engine.core import EngineCore
-from agentx.engine.offload.manager import KVExport
+from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
-from agentx.engine.request import Request
+from agentx.engine.request import Request, RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream
-from agentx.errors import EngineClosedError, EngineDeadError, RequestAbortedError
+from agentx.errors import (
+    EngineClosedError,
+    EngineDeadError,
+    RequestAbortedError,
+    warn_renamed,
+)
 
 Prompt = str | Sequence[int]
 
@@ -52,32 +58,25 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        retain_kv: bool = False,
-        extends: str | None = None,
-        hints: tuple = (),
+        options: RequestOptions | None = None,
+        **fields,
     ) -> RequestStream:
         """Validate and queue a request; its deltas arrive on the returned stream.
 
-        ``retain_kv``: when it finishes, keep its KV whole under its request id (a held
-        sequence) for a later request that names it in ``extends`` and whose prompt starts with
-        this request's prompt and output; that request then computes only what is new.
-        Release held sequences you will not extend (``release_kv``); unpinned ones are also
-        released by the engine when memory runs short.
+        ``options`` is a :class:`RequestOptions`; its fields may also be given as keywords
+        (``priority=-1``, ``cache_salt="tenant-a"``, ``hold_kv=True``, ``held_kv=handle``,
+        ``hints=(...)``), which override those of ``options``.
+
+        ``hold_kv``: when it finishes, its KV is held whole under its request id (the handle)
+        for a later request that passes it as ``held_kv`` and whose prompt starts with this
+        request's prompt and output; that request then computes only what is new. Release held
+        KV you will not extend (``release_held``); unpinned held KV is also released by the
+        engine when memory runs short. (``retain_kv`` / ``extends`` are deprecated names.)
         """
+        options = _make_options(options, fields)
         self._check_alive()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = self.core.make_request(
-            rid,
-            prompt,
-            sampling or SamplingParams(),
-            priority,
-            cache_salt,
-            retain_kv,
-            extends,
-            hints,
-        )
+        request = self.core.make_request(rid, prompt, sampling or SamplingParams(), options=options)
         stream = RequestStream(rid, request.prompt_token_ids)
         with self._cond:
             self._check_alive()
@@ -117,18 +116,13 @@ class Engine:
         sampling: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        hints: tuple = (),
+        options: RequestOptions | None = None,
+        **fields,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas; leaving early or being cancelled aborts it."""
+        """Yield the request's deltas; leaving early or being cancelled aborts it. Options as
+        in ``add_request``."""
         stream = self.add_request(
-            prompt,
-            sampling,
-            request_id=request_id,
-            priority=priority,
-            cache_salt=cache_salt,
-            hints=hints,
+            prompt, sampling, request_id=request_id, options=options, **fields
         )
         try:
             async for out in stream:
@@ -148,43 +142,48 @@ class Engine:
                 self.abort(stream.request_id)
         return stream.to_generation()
 
-    # ---- held sequences ----------------------------------------------------------------------
+    # ---- held KV (a finished turn's KV, held for the next turn: kv_cache/held.py) -----------
 
-    def fork_kv(self, handle: str, num_forks: int) -> list[str]:
-        """Fork a held sequence into ``num_forks`` new handles (copy-on-write of the partial
-        tail block). Returns [] if the handle is gone or the pool has no room."""
+    def fork_held(self, handle: str, num_forks: int) -> list[str]:
+        """Fork held KV into ``num_forks`` new handles (copy-on-write of the partial tail
+        block). Returns [] if the handle is gone or the pool has no room."""
         self._check_alive()
         new_handles = [f"{handle}/fork-{next(self._ids)}" for _ in range(num_forks)]
         with self._step_lock:
-            return new_handles if self.core.fork_kv(handle, new_handles) else []
+            return new_handles if self.core.fork_held(handle, new_handles) else []
 
-    def export_kv(self, handle: str) -> KVExport | None:
-        """Name a held sequence's prefix in the shared offload tiers (waits for its stores),
-        for ``import_kv`` on another engine with the same model; None without offload."""
+    def export_held(self, handle: str) -> KVExport | None:
+        """Name held KV's prefix in the shared offload tiers (waits for its stores), for
+        ``import_held`` on another engine with the same model; None without offload."""
         self._check_alive()
         with self._step_lock:
-            return self.core.export_kv(handle)
+            return self.core.export_held(handle)
 
-    def import_kv(self, export: KVExport, handle: str | None = None) -> str | None:
-        """Load an exported prefix from the shared tiers as a held sequence; returns its handle
-        (pass it as ``extends``), or None when nothing could be loaded."""
+    def import_held(self, export: KVExport, handle: str | None = None) -> str | None:
+        """Load an exported prefix from the shared tiers as held KV; returns its handle (pass
+        it as ``held_kv``), or None when nothing could be loaded."""
         self._check_alive()
         handle = handle or f"import-{uuid.uuid4().hex[:12]}"
         with self._step_lock:
-            return handle if self.core.import_kv(export, handle) else None
+            return handle if self.core.import_held(export, handle) else None
 
-    def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
-        """Release a held sequence; ``drop_cached`` also forgets its blocks' cached content."""
+    def release_held(self, handle: str, drop_cached: bool = False) -> bool:
+        """Release held KV; ``drop_cached`` also forgets its blocks' cached content."""
         with self._step_lock:
-            return self.core.release_kv(handle, drop_cached)
+            return self.core.release_held(handle, drop_cached)
 
-    def release_kv_soon(self, handle: str, drop_cached: bool = False) -> None:
-        """Like ``release_kv``, without waiting: the loop releases it before its next step."""
-        self._control(lambda core: core.release_kv(handle, drop_cached))
+    def release_held_soon(self, handle: str, drop_cached: bool = False) -> None:
+        """Like ``release_held``, without waiting: the loop releases it before its next step."""
+        self._control(lambda core: core.release_held(handle, drop_cached))
 
-    def pin_kv_soon(self, handle: str, pinned: bool = True) -> None:
-        """Like ``pin_kv``, without waiting: the loop applies it before its next step."""
-        self._control(lambda core: core.pin_kv(handle, pinned))
+    def pin_held(self, handle: str, pinned: bool = True) -> bool:
+        """Pinned held KV is never released to make room."""
+        with self._step_lock:
+            return self.core.pin_held(handle, pinned)
+
+    def pin_held_soon(self, handle: str, pinned: bool = True) -> None:
+        """Like ``pin_held``, without waiting: the loop applies it before its next step."""
+        self._control(lambda core: core.pin_held(handle, pinned))
 
     def _control(self, op: Callable[[EngineCore], object]) -> None:
         with self._cond:
@@ -192,10 +191,35 @@ class Engine:
                 self._controls.append(op)
                 self._cond.notify()
 
+    # deprecated names of the held-KV methods (they warn, then do the same)
+
+    def fork_kv(self, handle: str, num_forks: int) -> list[str]:
+        warn_renamed("Engine.fork_kv", "Engine.fork_held")
+        return self.fork_held(handle, num_forks)
+
+    def export_kv(self, handle: str) -> KVExport | None:
+        warn_renamed("Engine.export_kv", "Engine.export_held")
+        return self.export_held(handle)
+
+    def import_kv(self, export: KVExport, handle: str | None = None) -> str | None:
+        warn_renamed("Engine.import_kv", "Engine.import_held")
+        return self.import_held(export, handle)
+
+    def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
+        warn_renamed("Engine.release_kv", "Engine.release_held")
+        return self.release_held(handle, drop_cached)
+
+    def release_kv_soon(self, handle: str, drop_cached: bool = False) -> None:
+        warn_renamed("Engine.release_kv_soon", "Engine.release_held_soon")
+        self.release_held_soon(handle, drop_cached)
+
     def pin_kv(self, handle: str, pinned: bool = True) -> bool:
-        """A pinned held sequence is never released to make room."""
-        with self._step_lock:
-            return self.core.pin_kv(handle, pinned)
+        warn_renamed("Engine.pin_kv", "Engine.pin_held")
+        return self.pin_held(handle, pinned)
+
+    def pin_kv_soon(self, handle: str, pinned: bool = True) -> None:
+        warn_renamed("Engine.pin_kv_soon", "Engine.pin_held_soon")
+        self.pin_held_soon(handle, pinned)
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -309,3 +333,16 @@ class Engine:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
+
+
+def _make_options(options: RequestOptions | None, fields: dict) -> RequestOptions:
+    """``options`` with the keyword fields applied (unknown names raise TypeError)."""
+    fields = dict(fields)
+    if "retain_kv" in fields:
+        warn_renamed("add_request(retain_kv=...)", "add_request(hold_kv=...)", stacklevel=4)
+        fields["hold_kv"] = bool(fields.pop("retain_kv"))
+    if "extends" in fields:
+        warn_renamed("add_request(extends=...)", "add_request(held_kv=...)", stacklevel=4)
+        fields["held_kv"] = fields.pop("extends")
+    options = options or RequestOptions()
+    return replace(options, **fields) if fields else options

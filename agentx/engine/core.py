@@ -1,8 +1,12 @@
 """EngineCore: one step = schedule -> execute -> update -> outputs.
 
-Single-threaded and synchronous; the engine client drives it from its loop thread. It validates
-requests before they reach the scheduler, detokenizes outputs incrementally and applies stop
-strings (which need text, so the scheduler cannot).
+Synchronous: the engine client drives ``step()`` and every state change from its loop thread,
+under its step lock. Three things run on other threads: ``make_request`` on the caller's (it
+tokenizes, checks sizes fixed at start, draws a seed and compiles a grammar under the grammar
+lock; it touches no scheduler or KV state), grammar bitmasks on a worker thread while the model
+runs, and offload transfers on the offload transfer worker. The core validates requests before
+they reach the scheduler, detokenizes outputs incrementally and applies stop strings (which
+need text, so the scheduler cannot).
 """
 
 from __future__ import annotations
@@ -22,15 +26,16 @@ from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.offload.build import layout_fingerprint, store_from_config
-from agentx.engine.offload.manager import KVExport, OffloadManager
+from agentx.engine.offload.interface import KVExport, NullOffload, Offload
+from agentx.engine.offload.manager import OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
-from agentx.engine.request import Request, RequestStatus
+from agentx.engine.request import Request, RequestOptions, RequestStatus
 from agentx.engine.runner import ModelRunner
 from agentx.engine.runner.model_runner import DTYPES
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.scheduler import Scheduler, make_output
 from agentx.engine.structured import GrammarBackend
-from agentx.errors import InvalidRequestError, PromptTooLongError
+from agentx.errors import InvalidRequestError
 
 
 @dataclass(slots=True)
@@ -93,7 +98,7 @@ class EngineCore:
             make_retention(cache.retention_policy, cache.prefix_cache_retention_interval),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.offload: OffloadManager | None = None
+        self.offload: Offload = NullOffload()
         if config.offload.enabled:
             fingerprint = layout_fingerprint(
                 str(config.model), config.dtype, self.runner.layout, self.spec.architecture
@@ -117,29 +122,13 @@ class EngineCore:
         request_id: str,
         prompt: str | Sequence[int],
         sampling: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        retain_kv: bool = False,
-        extends: str | None = None,
-        hints: tuple = (),
+        *,
+        options: RequestOptions | None = None,
     ) -> Request:
         """Validate and build a request; raises InvalidRequestError before anything is queued."""
+        options = options or RequestOptions()
         token_ids = self._tokenize(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {len(token_ids)} tokens; the model context is {self.max_model_len} "
-                "(the prompt must leave room for at least one output token)"
-            )
-        max_len = min(len(token_ids) + sampling.max_tokens, self.max_model_len)
-        if self.kv.get_max_num_blocks(max_len) > self.kv.pool.num_blocks - 1:
-            raise PromptTooLongError(
-                f"request needs up to {len(token_ids) + sampling.max_tokens} tokens of KV cache "
-                f"({len(token_ids)} prompt + max_tokens {sampling.max_tokens}), but the pool "
-                f"holds {self.kv.pool.num_blocks - 1} blocks: lower max_tokens or grow "
-                "CacheConfig.kv_cache_bytes"
-            )
-        if not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+        self.scheduler.check_fits(len(token_ids), sampling.max_tokens)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
         grammar = None
         if sampling.structured is not None:  # compiled here, on the caller's thread
@@ -150,12 +139,12 @@ class EngineCore:
             sampling=sampling,
             eos_token_ids=self.eos_token_ids,
             block_size=self.kv.block_size,
-            priority=priority,
-            cache_salt=cache_salt.encode() if cache_salt else b"",
+            priority=options.priority,
+            cache_salt=options.cache_salt.encode() if options.cache_salt else b"",
             seed=seed,
-            retain_kv=retain_kv,
-            extends=extends,
-            hints=tuple(hints),
+            hold_kv=options.hold_kv,
+            held_kv=options.held_kv,
+            hints=options.hints,
             grammar=grammar,
         )
 
@@ -181,7 +170,7 @@ class EngineCore:
             request.sampling.stop,
             request.sampling.include_stop_str_in_output,
         )
-        if self.offload is not None and self.offload.on_request(request):
+        if self.offload.on_request(request):
             self.scheduler.park(request)  # its prefix loads from a tier; others run meanwhile
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
@@ -225,45 +214,36 @@ class EngineCore:
 
         return GrammarMasks([r.request_id for r in constrained], self._mask_worker.submit(fill))
 
-    # ---- held sequences (kv_cache/held.py) ------------------------------------------------
+    # ---- held KV (kv_cache/held.py) -------------------------------------------------------
 
-    def fork_kv(self, handle: str, new_handles: list[str]) -> bool:
-        """Fork a held sequence into ``new_handles``; False if it is gone or there is no room."""
+    def fork_held(self, handle: str, new_handles: list[str]) -> bool:
+        """Fork held KV into ``new_handles``; False if it is gone or there is no room."""
         copies = self.kv.fork_held(handle, new_handles)
         if copies is None:
             return False
         self.runner.copy_blocks(copies)
         return True
 
-    def release_kv(self, handle: str, drop_cached: bool = False) -> bool:
-        if self.offload is None:
-            return self.kv.release_held(handle, drop_cached)
-        hashes = self.offload.held_hashes(handle) if drop_cached else []
-        self.offload.forget_handle(handle)
-        released = self.kv.release_held(handle, drop_cached)
-        self.offload.drop(hashes)  # release drops the session's blocks in every tier
-        return released
+    def release_held(self, handle: str, drop_cached: bool = False) -> bool:
+        self.offload.on_release(handle, drop_cached)  # while its blocks are still there
+        return self.kv.release_held(handle, drop_cached)
 
-    def pin_kv(self, handle: str, pinned: bool = True) -> bool:
-        if self.offload is not None:
-            self.offload.pin(handle, pinned)  # a soft pin in every tier
+    def pin_held(self, handle: str, pinned: bool = True) -> bool:
+        self.offload.pin(handle, pinned)  # a soft pin in every tier
         return self.kv.pin_held(handle, pinned)
 
-    def export_kv(self, handle: str) -> KVExport | None:
-        """A held sequence's prefix as another engine sharing a tier can import it."""
-        return None if self.offload is None else self.offload.export(handle)
+    def export_held(self, handle: str) -> KVExport | None:
+        """Held KV's prefix as another engine sharing a tier can import it."""
+        return self.offload.export(handle)
 
-    def import_kv(self, export: KVExport, handle: str) -> int:
-        """Load an exported prefix from the shared tiers as held sequence ``handle``."""
-        if self.offload is None:
-            return 0
+    def import_held(self, export: KVExport, handle: str) -> int:
+        """Load an exported prefix from the shared tiers as held KV ``handle``."""
         num = self.offload.import_(export, handle)
         self._requeue(self.offload.take_ready())
         return num
 
     def has_unfinished_requests(self) -> bool:
-        pending = self.offload is not None and self.offload.has_pending()
-        return self.scheduler.has_unfinished_requests() or pending
+        return self.scheduler.has_unfinished_requests() or self.offload.has_pending()
 
     def _requeue(self, ready: list[tuple[str, str]]) -> None:
         """Put requests whose prefix finished loading back in line, extending the loaded KV."""
@@ -272,28 +252,24 @@ class EngineCore:
             if request is None:
                 self.kv.release_held(handle)  # aborted while it loaded
             elif handle in self.kv.held:
-                request.extends = handle
+                request.held_kv = handle
 
     def close(self) -> None:
-        if self.offload is not None:
-            self.offload.close()
+        self.offload.close()
 
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        if self.offload is not None:
-            self._requeue(self.offload.poll() + self.offload.take_ready())
+        self._requeue(self.offload.poll() + self.offload.take_ready())
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             self.runner.forget(sched_out.finished_request_ids)
-            if self.offload is not None:
-                self.offload.idle_wait()
+            self.offload.idle_wait()
             return []
         masks = self._grammar_masks(sched_out)
         runner_out = self.runner.execute(sched_out, masks)
         deltas = self.scheduler.update_from_output(sched_out, runner_out)
-        if self.offload is not None:
-            self.offload.after_step()  # this step's KV is written: store what it published
+        self.offload.after_step()  # this step's KV is written: store what it published
         return [self._with_text(d) for d in deltas]
 
     def _with_text(self, delta: RequestOutput) -> RequestOutput:
@@ -330,14 +306,13 @@ class EngineCore:
             kv_num_used_blocks=kv.get_num_used_blocks(),
             kv_num_cached_blocks=len(kv.pool.cached),
             kv_usage=kv.get_usage(),
-            kv_num_held_sequences=len(kv.held),
-            **(self.offload.get_stats() if self.offload is not None else {}),
+            kv_num_held=len(kv.held),
+            **self.offload.get_stats(),
         )
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        if self.offload is not None:
-            self.offload.check_integrity()
+        self.offload.check_integrity()
         assert set(self._texts) == set(self.scheduler.requests), "text state drifted"
         rows = set(self.runner.input_batch.row_of)
         known = self.scheduler.get_runner_request_ids()

@@ -1,8 +1,10 @@
 """Hint records: what an agent knows about the future, carried on a request.
 
 The session builds them (agentx.session.hints re-exports these records); the engine acts on
-them: priority orders the queue, pin and release act on held KV, and the offload manager uses
-the tool latency to demote a waiting session's blocks and prefetch them before it returns.
+four of them: priority orders the queue, pin and release act on held KV, and the offload manager
+uses the tool latency to demote a waiting session's blocks and prefetch them before it returns.
+``BranchPoint`` and ``TurnsLeft`` are advisory: they travel with the request (a backend or a
+policy may read them) but nothing in this engine acts on them yet.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ class ToolLatency:
 
 @dataclass(frozen=True, slots=True)
 class BranchPoint:
-    """This prefix will be forked ``num_forks`` times."""
+    """This prefix will be forked ``num_forks`` times. Advisory: nothing acts on it yet."""
 
     num_forks: int
 
 
 @dataclass(frozen=True, slots=True)
 class TurnsLeft:
-    """About ``num_turns`` more turns will follow in this session."""
+    """About ``num_turns`` more turns will follow in this session. Advisory: nothing acts on
+    it yet."""
 
     num_turns: int
 
@@ -52,4 +55,6 @@ class Release:
     drop_cached: bool = True
 
 
-__all__ = ["BranchPoint", "Pin", "Priority", "Release", "ToolLatency", "TurnsLeft"]
+Hint = ToolLatency | BranchPoint | TurnsLeft | Priority | Pin | Release
+
+__all__ = ["BranchPoint", "Hint", "Pin", "Priority", "Release", "ToolLatency", "TurnsLeft"]

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from agentx.engine.sampling import SamplingParams
+from agentx.errors import warn_renamed
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,11 +93,17 @@ class EngineStats:
     kv_num_used_blocks: int
     kv_num_cached_blocks: int
     kv_usage: float
-    kv_num_held_sequences: int  # finished turns whose KV is kept for the turn extending them
+    kv_num_held: int  # finished turns whose KV is held for the next turn (kv_cache/held.py)
     offload_loaded_blocks: int = 0  # blocks loaded from a lower tier instead of recomputed
     offload_stored_blocks: int = 0  # blocks written down to the tiers
     offload_failed_blocks: int = 0  # loads that failed (recomputed instead)
     offload_num_prefetches: int = 0  # sessions brought back before their tool returned
+
+    @property
+    def kv_num_held_sequences(self) -> int:
+        """Deprecated name of ``kv_num_held``."""
+        warn_renamed("EngineStats.kv_num_held_sequences", "kv_num_held")
+        return self.kv_num_held
 
     @property
     def prefix_cache_hit_rate(self) -> float:

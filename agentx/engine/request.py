@@ -1,5 +1,8 @@
 """A request inside the engine: its tokens, how many are computed, and why it finished.
 
+``RequestOptions`` is what a caller says about a request besides its prompt and sampling; it is
+backend-neutral (no block sizes, no hashes), so any engine backend the Session drives takes it.
+
 The scheduler thinks in tokens only: ``num_computed_tokens`` catches up to ``num_tokens``.
 A prefill, a chunk of one, a decode step and a recompute after preemption are all the same
 thing: computing ``num_tokens - num_computed_tokens`` more tokens.
@@ -11,9 +14,27 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from agentx.engine.hints import Hint
 from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.structured import GrammarMatcher
+from agentx.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """How to run one request, besides its prompt and sampling params."""
+
+    priority: int = 0  # lower runs first under the priority policy
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries from others'
+    hold_kv: bool = False  # when it finishes, hold its KV under its request id (kv_cache/held.py)
+    held_kv: str | None = None  # the handle of held KV this request continues
+    hints: tuple[Hint, ...] = ()  # what the agent knows about the future (engine/hints.py)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.priority, int):
+            raise InvalidRequestError(f"priority must be an int, got {self.priority!r}")
+        object.__setattr__(self, "hints", tuple(self.hints))
 
 
 class RequestStatus(enum.IntEnum):
@@ -48,8 +69,8 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     cache_salt: bytes = b""
     seed: int = 0  # sampling.seed, or one drawn by the engine when that is None
-    retain_kv: bool = False  # when it finishes, hold its KV under its id (see kv_cache/held.py)
-    extends: str | None = None  # a held sequence this request continues
+    hold_kv: bool = False  # when it finishes, hold its KV under its id (see kv_cache/held.py)
+    held_kv: str | None = None  # the handle of held KV this request continues
     hints: tuple = ()  # the session's hints (agentx.session.hints) for tiers and policies
     grammar: GrammarMatcher | None = None  # set when sampling.structured is
     arrival_time: float = field(default_factory=time.monotonic)

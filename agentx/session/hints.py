@@ -1,14 +1,23 @@
 """Hints: what an agent knows about the future, passed to the runtime with the next request.
 
 Each hint is a small frozen record (defined in agentx.engine.hints, re-exported here). The
-engine acts on them: priority orders the queue; a pin keeps the session's KV from being released
+engine acts on four: priority orders the queue; a pin keeps the session's KV from being released
 for room, in every tier; release drops it on close, everywhere; a tool latency lets the offload
-tiers demote the waiting session and prefetch it back before the tool returns.
+tiers demote the waiting session and prefetch it back before the tool returns. ``BranchPoint``
+and ``TurnsLeft`` are advisory: accepted and passed on with the next request, not acted on yet.
 """
 
 from __future__ import annotations
 
-from agentx.engine.hints import BranchPoint, Pin, Priority, Release, ToolLatency, TurnsLeft
+from agentx.engine.hints import (
+    BranchPoint,
+    Hint,
+    Pin,
+    Priority,
+    Release,
+    ToolLatency,
+    TurnsLeft,
+)
 from agentx.errors import InvalidRequestError
 
 __all__ = [
@@ -21,8 +30,6 @@ __all__ = [
     "TurnsLeft",
     "make_hints",
 ]
-
-Hint = ToolLatency | BranchPoint | TurnsLeft | Priority | Pin | Release
 
 _KEYWORDS = {
     "tool_latency": ToolLatency,

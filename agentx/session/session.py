@@ -1,9 +1,10 @@
 """Session: one agent conversation on an in-process engine.
 
 A session keeps its chat as token ids (``ChatContext``) so every turn re-sends an exact
-extension of the last one, and it keeps the last turn's KV held in the engine (``extends``), so
-a turn computes only its new tokens. It owns tools, pending tool results, forks and hints; it
-never blocks the event loop on the engine (engine calls that wait run in a worker thread).
+extension of the last one, and the engine holds the last turn's KV for the next (``hold_kv`` /
+``held_kv``, see engine/kv_cache/held.py), so a turn computes only its new tokens. It owns
+tools, pending tool results, forks and hints; it never blocks the event loop on the engine
+(engine calls that wait run in a worker thread).
 
     async with Session(tools=[get_weather]) as s:
         reply = await s.send("What's the weather in Paris?")
@@ -18,9 +19,12 @@ only what the grammar allows, so the calls parse and validate, or the answer is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import anyio
 
 from agentx.engine.client import Engine
+from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream
 from agentx.errors import (
@@ -49,6 +53,18 @@ from agentx.session.turn import Turn
 _DEFAULT_SAMPLING = SamplingParams(max_tokens=512)
 
 
+@dataclass(slots=True)
+class _OpenTurn:
+    """The open turn: what an abort restores, and the request it has in flight."""
+
+    context: ChatContext  # the context before the turn (a fork of it)
+    held_kv: str | None  # the held KV the turn's first request continues from
+    pending: list[dict]
+    open_calls: dict[str, ToolCall]
+    inflight: RequestStream | None = None
+    committed: bool = False
+
+
 class Session:
     def __init__(
         self,
@@ -67,8 +83,8 @@ class Session:
         self._messages: list[Message] = []
         self._pending: list[dict] = []  # tool results and messages for the next turn
         self._open_calls: dict[str, ToolCall] = {}
-        self._handle: str | None = None  # the engine's held sequence of the last turn
-        self._busy = False
+        self._held_kv: str | None = None  # the handle of the last turn's held KV
+        self._turn: _OpenTurn | None = None  # the open turn (turn.py, tool_stream.py)
         self._closed = False
         self._parent: Session | None = None
         self._children: list[Session] = []
@@ -104,9 +120,9 @@ class Session:
         self._closed = True
         for child in list(self._children):
             await child.close()
-        if self._handle is not None:
-            self.engine.release_kv_soon(self._handle, self._drop_on_close)
-            self._handle = None
+        if self._held_kv is not None:
+            self.engine.release_held_soon(self._held_kv, self._drop_on_close)
+            self._held_kv = None
         if self._parent is not None and self in self._parent._children:
             self._parent._children.remove(self)
 
@@ -162,7 +178,7 @@ class Session:
         new = list(self._pending)
         if message is not None:
             new.append(to_template_dict(coerce_message(message)))
-        return Turn(self, new, sampling, prefill, constraint)
+        return Turn(self, new, sampling, self._parser, prefill, constraint)
 
     async def send(
         self,
@@ -187,29 +203,44 @@ class Session:
     def _check_usable(self) -> None:
         if self._closed:
             raise SessionClosedError("this session is closed")
-        if self._busy:
+        if self._turn is not None:
             raise TurnInProgressError("a turn is already open on this session")
 
-    def _begin_turn(self) -> tuple:
+    # ---- the turn life cycle: what turn.py and tool_stream.py call ---------------------------
+    #
+    #   _begin_turn() -> context     one turn at a time; snapshots what an abort restores
+    #   _submit(prompt, sampling)    the turn's request: continues from the held KV, held in turn
+    #   _settle(stream)              that request finished: its KV is the session's held KV now
+    #   _commit_turn(...) / _commit_tool_result(...)   fold the turn into the history
+    #   _end_turn()                  close the turn; one not committed is aborted (_abort_turn)
+
+    def _begin_turn(self) -> ChatContext:
+        """Open a turn; returns the context its prompt is built on (and appended to)."""
         self._check_usable()
         context = self._ensure_context()
-        self._busy = True
-        return (context.fork(), self._handle, list(self._pending), dict(self._open_calls))
+        self._turn = _OpenTurn(
+            context.fork(), self._held_kv, list(self._pending), dict(self._open_calls)
+        )
+        return context
 
-    def _submit(
-        self, prompt: list[int], sampling: SamplingParams, retain_kv: bool
-    ) -> RequestStream:
-        stream = self.engine.add_request(
-            prompt,
-            sampling,
+    def _submit(self, prompt: list[int], sampling: SamplingParams) -> RequestStream:
+        options = RequestOptions(
             priority=self._priority,
-            retain_kv=retain_kv,
-            extends=self._handle,
+            hold_kv=True,
+            held_kv=self._held_kv,
             hints=tuple(self._hints),
         )
-        self._handle = None  # the request adopts it (or it is released when the request runs)
+        stream = self.engine.add_request(prompt, sampling, options=options)
+        self._held_kv = None  # the request adopts it (or it is released when the request runs)
         self._hints = []
+        self._turn.inflight = stream
         return stream
+
+    def _settle(self, stream: RequestStream) -> None:
+        """The in-flight request finished; a completed one left its KV held for the next."""
+        completed = stream.final is not None and stream.final.finish_reason in ("stop", "length")
+        self._held_kv = stream.request_id if completed else None
+        self._turn.inflight = None
 
     def _commit_turn(
         self,
@@ -219,27 +250,47 @@ class Session:
         prefill_ids: list[int],
         prefill: str,
     ) -> None:
+        """The assistant's reply (``gen``, after ``prefill``) answers the ``sent`` messages."""
+        self._settle(self._turn.inflight)
         output_ids = prefill_ids + gen.token_ids
         self._context.commit_output(output_ids, prefill + gen.text, gen.finish_reason)
-        self._handle = gen.request_id if gen.finish_reason in ("stop", "length") else None
-        if self._handle is not None and self._pinned:
-            self.engine.pin_kv_soon(self._handle)
+        if self._held_kv is not None and self._pinned:
+            self.engine.pin_held_soon(self._held_kv)
         # tool results entered the history when they were added
         self._messages.extend(coerce_message(m) for m in sent if m["role"] != "tool")
         self._messages.append(message)
         self._pending = []
         self._open_calls = {c.id: c for c in message.tool_calls}
         self._add_usage(message.usage)
+        self._turn.committed = True
 
-    def _end_turn(self, snapshot: tuple, committed: bool) -> None:
-        self._busy = False
-        if committed:
+    def _commit_tool_result(self, call: ToolCall, content: str, is_error: bool) -> None:
+        """A streamed tool result is complete: the open tool message (its chunks already in
+        the context) is closed and enters the history."""
+        self._context.close_message()
+        self._messages.append(
+            ToolMessage(tool_call_id=call.id, content=content, is_error=is_error, name=call.name)
+        )
+        self._turn.committed = True
+
+    def _end_turn(self) -> None:
+        """Close the open turn; one that was not committed is aborted. Idempotent."""
+        if self._turn is not None and not self._turn.committed:
+            self._abort_turn()
+        self._turn = None
+
+    def _abort_turn(self) -> None:
+        """Abort the turn's request if it still runs and roll the session back to the turn's
+        start (the held KV it would have adopted is released)."""
+        turn, self._turn = self._turn, None
+        if turn is None:
             return
-        context, handle, pending, open_calls = snapshot
-        self._context, self._pending, self._open_calls = context, pending, open_calls
-        if handle is not None and self._handle is None:
+        if turn.inflight is not None and not turn.inflight.finished:
+            self.engine.abort(turn.inflight.request_id)
+        self._context, self._pending, self._open_calls = turn.context, turn.pending, turn.open_calls
+        if turn.held_kv is not None and self._held_kv is None:
             # the aborted request may never have run to adopt or release it
-            self.engine.release_kv_soon(handle)
+            self.engine.release_held_soon(turn.held_kv)
 
     def _add_usage(self, usage: Usage | None) -> None:
         if usage is None:
@@ -317,8 +368,8 @@ class Session:
         self._check_usable()
         count = 1 if n is None else n
         handles: list[str] = []
-        if self._handle is not None:
-            handles = await anyio.to_thread.run_sync(self.engine.fork_kv, self._handle, count)
+        if self._held_kv is not None:
+            handles = await anyio.to_thread.run_sync(self.engine.fork_held, self._held_kv, count)
         children = [self._make_child(handles[i] if handles else None) for i in range(count)]
         return children[0] if n is None else children
 
@@ -329,7 +380,7 @@ class Session:
         child._messages = list(self._messages)
         child._pending = list(self._pending)
         child._open_calls = dict(self._open_calls)
-        child._handle = handle
+        child._held_kv = handle
         child._priority = self._priority
         child._parent = self
         self._children.append(child)
@@ -368,15 +419,16 @@ class Session:
     def hint(self, *hints: Hint, **shorthand) -> None:
         """Tell the runtime what comes next (``ToolLatency(8.0)``, ``BranchPoint(4)``,
         ``TurnsLeft(30)``, ``Priority(-1)``, ``Pin()``, ``Release()``, or keywords such as
-        ``tool_latency=8.0``, ``priority=-1``, ``pin=True``, ``release=True``)."""
+        ``tool_latency=8.0``, ``priority=-1``, ``pin=True``, ``release=True``).
+        ``BranchPoint`` and ``TurnsLeft`` are advisory (see hints.py)."""
         self._check_closed()
         for item in make_hints(hints, shorthand):
             if isinstance(item, Priority):
                 self._priority = item.level
             elif isinstance(item, Pin):
                 self._pinned = item.pinned
-                if self._handle is not None:
-                    self.engine.pin_kv_soon(self._handle, item.pinned)
+                if self._held_kv is not None:
+                    self.engine.pin_held_soon(self._held_kv, item.pinned)
             elif isinstance(item, Release):
                 self._drop_on_close = item.drop_cached
             self._hints.append(item)

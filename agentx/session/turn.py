@@ -25,7 +25,7 @@ from agentx.engine.streams import RequestStream
 from agentx.session.constraints import TurnConstraint
 from agentx.session.events import TextDelta, ToolCallEvent, TurnDone, TurnEvent
 from agentx.session.messages import AssistantMessage, Usage
-from agentx.session.tool_calls import ToolCallStreamFilter
+from agentx.session.tool_calls import ToolCallParser, ToolCallStreamFilter
 
 if TYPE_CHECKING:
     from agentx.session.session import Session
@@ -37,10 +37,12 @@ class Turn:
         session: Session,
         new_messages: list[dict],
         sampling,
+        parser: ToolCallParser,
         prefill: str | None = None,
         constraint: TurnConstraint | None = None,
     ) -> None:
         self._session = session
+        self._parser = parser
         self._new_messages = new_messages
         self._sampling = sampling
         self._prefill = prefill or ""
@@ -48,7 +50,6 @@ class Turn:
         self._prefill_ids: list[int] = []
         self._stream: RequestStream | None = None
         self._events: AsyncIterator[TurnEvent] | None = None
-        self._snapshot = None
         self._done: TurnDone | None = None
         self._t_submit = 0.0
 
@@ -57,25 +58,23 @@ class Turn:
         return self._stream.request_id if self._stream else None
 
     async def __aenter__(self) -> Turn:
-        self._snapshot = self._session._begin_turn()
+        session = self._session
+        context = session._begin_turn()
         try:
-            prompt = self._session._context.prompt_for(self._new_messages)
+            prompt = context.prompt_for(self._new_messages)
             if self._prefill:  # the assistant's reply starts with this text, as if generated
-                self._prefill_ids = self._session.engine.tokenizer.encode(self._prefill)
+                self._prefill_ids = session.engine.tokenizer.encode(self._prefill)
                 prompt += self._prefill_ids
             self._t_submit = time.perf_counter()
-            self._stream = self._session._submit(prompt, self._sampling, retain_kv=True)
+            self._stream = session._submit(prompt, self._sampling)
         except BaseException:
-            self._session._end_turn(self._snapshot, committed=False)
+            session._end_turn()
             raise
         self._events = self._produce()
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        committed = self._done is not None
-        if not committed and self._stream is not None and not self._stream.finished:
-            self._session.engine.abort(self._stream.request_id)
-        self._session._end_turn(self._snapshot, committed=committed)
+        self._session._end_turn()  # a turn that did not reach TurnDone is aborted
 
     def __aiter__(self) -> Turn:
         return self
@@ -95,7 +94,7 @@ class Turn:
     async def _produce(self) -> AsyncIterator[TurnEvent]:
         stream = self._stream
         if self._constraint is None or self._constraint.parse_tool_calls:
-            text_filter = ToolCallStreamFilter(self._session._parser)
+            text_filter = ToolCallStreamFilter(self._parser)
         else:
             text_filter = _PlainText()
         plain: list[str] = []

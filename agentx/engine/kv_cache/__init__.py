@@ -2,7 +2,7 @@
 
 from agentx.engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes, hash_block
-from agentx.engine.kv_cache.held import BlockCopy, HeldSequence, HeldSequences
+from agentx.engine.kv_cache.held import BlockCopy, HeldKV, HeldKVManager
 from agentx.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from agentx.engine.kv_cache.specs import (
     AttentionSpec,
@@ -21,8 +21,8 @@ __all__ = [
     "BlockPool",
     "FreeBlockQueue",
     "FullAttentionSpec",
-    "HeldSequence",
-    "HeldSequences",
+    "HeldKV",
+    "HeldKVManager",
     "KVBlock",
     "KVCacheBlocks",
     "KVCacheGroup",

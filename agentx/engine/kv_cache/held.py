@@ -1,11 +1,18 @@
-"""Held sequences: a finished request's KV kept whole, for the turn that extends it.
+"""Held KV: a finished turn's KV kept whole for the next turn.
+
+The words, from the Session down to this module: a request submitted with ``hold_kv=True``
+leaves its KV *held* when it finishes, under a handle (its request id); a later request passes
+that handle as ``held_kv`` to continue from it, and adopts the blocks when it runs. Held KV is
+forked (``fork_held``), pinned (``pin_held``) and released (``release_held``) by its handle.
+"Retention" is a different thing: the policy choosing which block boundaries a linear-attention
+state is checkpointed at (``retention.py``).
 
 The prefix cache shares full blocks only; the last, partial block of a turn would be recomputed
-by the next one. A held sequence keeps every block of a finished turn (partial tail included)
-under a handle, so the next turn of the same conversation resumes exactly where the last one
-stopped. Forking copies only the partial tail block (copy-on-write); full blocks are shared by
-reference. Unpinned held sequences are a cache, not a reservation: under memory pressure they
-are released, oldest first, and the next turn falls back to the prefix cache.
+by the next one. Held KV keeps every block of a finished turn (partial tail included), so the
+next turn of the same conversation resumes exactly where the last one stopped. Forking copies
+only the partial tail block (copy-on-write); full blocks are shared by reference. Unpinned held
+KV is a cache, not a reservation: under memory pressure it is released, oldest first, and the
+next turn falls back to the prefix cache.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from agentx.engine.kv_cache.coordinator import GroupBlocks
 
 
 @dataclass(slots=True, eq=False)
-class HeldSequence:
+class HeldKV:
     handle: str
     token_ids: list[int]  # the tokens whose KV the blocks hold, in order
     blocks: GroupBlocks  # per KV group: ceil(len(token_ids) / block_size) blocks
@@ -38,16 +45,16 @@ class BlockCopy:
     dst_block_id: int
 
 
-class HeldSequences:
-    """Handles -> held sequences, drawing on the shared pool. Callers hold the engine step."""
+class HeldKVManager:
+    """Handles -> held KV, drawing on the shared pool. Callers hold the engine step."""
 
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self._held: dict[str, HeldSequence] = {}
+        self._held: dict[str, HeldKV] = {}
         self._clock = 0
         # handle -> when its session is expected back (a tool latency hint): under pressure,
-        # the sequence expected back last is released first (its blocks live on in the tiers)
+        # the held KV expected back last is released first (its blocks live on in the tiers)
         self.expected_return: dict[str, float] = {}
 
     def __contains__(self, handle: str) -> bool:
@@ -56,13 +63,13 @@ class HeldSequences:
     def __len__(self) -> int:
         return len(self._held)
 
-    def __iter__(self) -> Iterator[HeldSequence]:
+    def __iter__(self) -> Iterator[HeldKV]:
         return iter(self._held.values())
 
-    def get(self, handle: str | None) -> HeldSequence | None:
+    def get(self, handle: str | None) -> HeldKV | None:
         return self._held.get(handle) if handle is not None else None
 
-    def add(self, handle: str, token_ids: list[int], blocks: GroupBlocks) -> HeldSequence:
+    def add(self, handle: str, token_ids: list[int], blocks: GroupBlocks) -> HeldKV:
         """Take over ``blocks`` (their references move in) for ``token_ids``."""
         self.release(handle)
         num_blocks = -(-len(token_ids) // self.block_size)
@@ -70,7 +77,7 @@ class HeldSequences:
         self.pool.free_blocks(excess)
         kept = tuple(group[:num_blocks] for group in blocks)
         self._clock += 1
-        held = HeldSequence(handle, list(token_ids), kept, last_used=self._clock)
+        held = HeldKV(handle, list(token_ids), kept, last_used=self._clock)
         self._held[handle] = held
         return held
 
@@ -93,7 +100,7 @@ class HeldSequences:
         return True
 
     def fork(self, handle: str, new_handles: list[str]) -> list[BlockCopy] | None:
-        """Give each new handle the same sequence; None (nothing changed) if the pool is short.
+        """Give each new handle the same held KV; None (nothing changed) if the pool is short.
 
         Full blocks are shared by reference; a partial tail block gets a private copy per
         child, since each child will append different tokens into it.
@@ -118,7 +125,7 @@ class HeldSequences:
         return copies
 
     def reclaim(self, num_blocks: int, keep: str | None = None) -> None:
-        """Release unpinned sequences, least recently used first, until ``num_blocks`` are
+        """Release unpinned held KV, least recently used first, until ``num_blocks`` are
         free (or none is left to release). ``keep`` is spared: a request is adopting it."""
         victims = sorted(
             (h for h in self._held.values() if not h.pinned and h.handle != keep),

@@ -3,13 +3,13 @@
 It answers in typed records (:class:`KVCacheBlocks`, one block list per KV group) and keeps the
 prefix-cache statistics. It does not know how requests are ordered or what the model is.
 
-    get_computed_blocks(request)          -> the prefix hit (no side effects on the pool)
+    get_computed_blocks(request)          -> the prefix hit (no side effects)
     allocate_slots(request, n, hit)       -> the blocks for n more tokens, or None if they don't fit
     free(request)                         -> every block back to the pool (cached content kept)
     hold(request)                         -> keep a finished request's blocks for the next turn
 
-A prefix hit comes from the prefix cache (full blocks, by hash) or, when the request names one
-in ``extends``, from a held sequence (every block, the partial tail too); the longer wins.
+A prefix hit comes from the prefix cache (full blocks, by hash) or, when the request names
+held KV in ``held_kv``, from that held KV (every block, the partial tail too); the longer wins.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
-from agentx.engine.kv_cache.held import BlockCopy, HeldSequences
+from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.kv_cache.held import BlockCopy, HeldKV, HeldKVManager
 from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
@@ -29,7 +30,7 @@ class KVCacheBlocks:
     """Blocks per KV group, as handed between the KV manager and the scheduler."""
 
     blocks: GroupBlocks
-    held_handle: str | None = None  # the blocks are a held sequence's, moving to the request
+    held_kv: str | None = None  # the blocks are this held KV's, moving to the request
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -58,7 +59,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.coordinator = KVCacheCoordinator(layout, enable_caching, retention)
         self.pool = self.coordinator.pool
-        self.held = HeldSequences(self.pool, self.block_size)
+        self.held = HeldKVManager(self.pool, self.block_size)
         self.stats = PrefixCacheStats()
 
     @property
@@ -72,7 +73,8 @@ class KVCacheManager:
         return KVCacheBlocks(tuple([] for _ in self.layout.groups))
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """The longest cached prefix of the request, and its length in tokens.
+        """The longest cached prefix of the request, and its length in tokens; no side effects
+        (``allocate_slots`` counts the query when the request takes the hit).
 
         The last token is always recomputed: its logits are needed to sample.
         """
@@ -83,18 +85,15 @@ class KVCacheManager:
                 request.block_hashes, max_length
             )
             hit = KVCacheBlocks(blocks)
-        held = self.held.get(request.extends)
+        held = self.held.get(request.held_kv)
         if held is not None and _is_prefix(held.token_ids, request.all_token_ids):
             num_held = min(held.num_tokens, max_length)
-            # a linear state exists only at the held sequence's end, not before it
+            # a linear state exists only at the held KV's end, not before it
             exact = not self.coordinator.has_linear or num_held == held.num_tokens
             if exact and num_held > 0 and num_held >= num_hit:
                 num_blocks = -(-num_held // self.block_size)
                 hit = KVCacheBlocks(tuple(g[:num_blocks] for g in held.blocks), held.handle)
                 num_hit = num_held
-        self.stats.num_queries += 1
-        self.stats.num_query_tokens += request.num_tokens
-        self.stats.num_hit_tokens += num_hit
         return hit, num_hit
 
     def allocate_slots(
@@ -106,9 +105,12 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens after taking a prefix hit.
 
-        Returns the newly allocated blocks, or None (nothing changed) when the pool cannot
-        hold them right now. Blocks full once these tokens are computed are published to the
-        prefix cache now: within one step every KV write happens before any attention read.
+        Returns the newly allocated blocks, or None when the pool cannot hold them right now;
+        the request's own blocks are then unchanged, but unpinned held KV may have been
+        released trying to make room and blocks that left a sliding window were freed. Blocks
+        full once these tokens are computed are published to the prefix cache now: within one
+        step every KV write happens before any attention read. A request taking a prefix hit
+        (``new_computed_blocks`` given, even empty) counts as one prefix-cache query.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
@@ -118,16 +120,20 @@ class KVCacheManager:
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
         if num_needed > self.pool.num_free_blocks:
-            self.held.reclaim(num_needed, keep=request.extends)
+            self.held.reclaim(num_needed, keep=request.held_kv)
             num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
             if num_needed > self.pool.num_free_blocks:
                 return None
         self.coordinator.save_new_computed_blocks(rid, computed)
-        if new_computed_blocks is not None and new_computed_blocks.held_handle is not None:
-            self.held.release(new_computed_blocks.held_handle)  # its references moved to rid
+        if new_computed_blocks is not None and new_computed_blocks.held_kv is not None:
+            self.held.release(new_computed_blocks.held_kv)  # its references moved to rid
         new_blocks = self.coordinator.allocate_new_blocks(request, num_total)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_total)
+        if new_computed_blocks is not None:
+            self.stats.num_queries += 1
+            self.stats.num_query_tokens += request.num_tokens
+            self.stats.num_hit_tokens += num_new_computed_tokens
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: Request) -> None:
@@ -138,16 +144,17 @@ class KVCacheManager:
         self.coordinator.free(rid)
 
     def hold(self, request: Request) -> None:
-        """Keep a finished request's blocks under its id for a request that ``extends`` it."""
+        """Hold a finished request's KV under its id for a request that names it in ``held_kv``."""
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         blocks = self.coordinator.take(request.request_id)
         tokens = request.all_token_ids[: request.num_computed_tokens]
         self.held.add(request.request_id, tokens, blocks)
 
     def fork_held(self, handle: str, new_handles: list[str]) -> list[BlockCopy] | None:
-        """Copy-on-write forks of a held sequence; the caller runs the returned block copies
+        """Copy-on-write forks of held KV; the caller runs the returned block copies
         before any request uses the new handles. None when the handle is unknown or the pool
-        has no room for the tail copies."""
+        has no room for the tail copies (other unpinned held KV may have been released trying
+        to make room)."""
         if handle not in self.held:
             return None
         copies = self.held.fork(handle, new_handles)
@@ -161,6 +168,69 @@ class KVCacheManager:
 
     def pin_held(self, handle: str, pinned: bool = True) -> bool:
         return self.held.set_pinned(handle, pinned)
+
+    def get_held(self, handle: str | None) -> HeldKV | None:
+        return self.held.get(handle)
+
+    # ---- for the offload tiers (offload/manager.py); single-group layouts only ----------------
+
+    def enable_publish_log(self) -> None:
+        """From now on, record every block published to the prefix cache (``take_published``)."""
+        self.pool.published = []
+
+    def take_published(self) -> list[tuple[BlockHash, KVBlock]]:
+        """Drain the (hash, block) pairs published since the last call, still cached as such."""
+        return self.pool.take_published()
+
+    def find_cached_prefix(self, block_hashes: list[BlockHash]) -> list[KVBlock]:
+        """The device blocks of the longest cached prefix of ``block_hashes``; no side effects."""
+        max_length = len(block_hashes) * self.block_size
+        blocks, _ = self.coordinator.find_longest_cache_hit(block_hashes, max_length)
+        return list(blocks[0])
+
+    def get_num_loadable_blocks(self, prefix: list[KVBlock]) -> int:
+        """How many fresh blocks ``prepare_load(prefix, n)`` can allocate right now."""
+        return self.pool.num_free_blocks - sum(1 for b in prefix if b.ref_cnt == 0)
+
+    def prepare_load(self, prefix: list[KVBlock], num_blocks: int) -> list[KVBlock]:
+        """Reference the device ``prefix`` and allocate ``num_blocks`` fresh blocks for the
+        pages that continue it; ``complete_load`` gives them their content's hashes."""
+        self.pool.touch(prefix)
+        return self.pool.allocate_blocks(num_blocks)
+
+    def complete_load(
+        self, blocks: list[KVBlock], block_hashes: list[BlockHash], num_done: int
+    ) -> list[KVBlock]:
+        """The first ``num_done`` blocks hold their pages now: cache them (not published: the
+        tiers have them); the rest failed and go back to the pool. Returns the done blocks."""
+        done, failed = blocks[:num_done], blocks[num_done:]
+        log, self.pool.published = self.pool.published, None
+        for block, block_hash in zip(done, block_hashes, strict=False):
+            self.pool.cache_block(block, block_hash)
+        self.pool.published = log
+        self.pool.free_blocks(failed)
+        return done
+
+    def free_blocks(self, blocks: list[KVBlock]) -> None:
+        """Drop a reference from each block, last block first: the tail is evicted first."""
+        self.pool.free_blocks(reversed(blocks))
+
+    def demote_cached(self, block_hashes: list[BlockHash]) -> None:
+        """Free cached blocks of these hashes are reused before other cached ones (a lower
+        tier keeps their content); held blocks are skipped."""
+        blocks = [self.pool.get_cached_block(h) for h in block_hashes]
+        self.pool.demote_blocks([b for b in blocks if b is not None])
+
+    def add_held(self, handle: str, token_ids: list[int], blocks: GroupBlocks) -> None:
+        """Hold ``blocks`` (their references move in) as the KV of ``token_ids``."""
+        self.held.add(handle, token_ids, blocks)
+
+    def expect_return(self, handle: str, at: float) -> None:
+        """Held KV whose session is back at ``at``: under pressure, the one expected back last
+        is released first."""
+        self.held.expected_return[handle] = at
+
+    # ---- introspection -----------------------------------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(self.coordinator.get_blocks(request_id))

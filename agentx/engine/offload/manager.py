@@ -3,12 +3,12 @@
     store     blocks published on the device during a step are gathered after it (their KV is
               written then) and written through to every tier, one batched job per step
     load      a new request whose prefix continues in a tier is parked (out of line, others
-              run); its blocks load into fresh device blocks, become a held sequence the request
+              run); its blocks load into fresh device blocks, become held KV the request
               extends, and it goes back in line: it neither recomputes them nor stalls anyone
     hints     a held session with a tool latency is released first under pressure (its blocks
               live on in the tiers) and prefetched back ``prefetch_margin_s`` before it returns
-    migrate   ``export`` names a held sequence's blocks in the shared tiers; ``import_`` loads
-              them into another engine as a held sequence
+    migrate   ``export`` names held KV's blocks in the shared tiers; ``import_`` loads
+              them into another engine as held KV
 
 A load that fails midway keeps the prefix that arrived and the request recomputes the rest.
 The manager reads and writes KV only through the runner's page gather/scatter.
@@ -27,6 +27,7 @@ from agentx.config import OffloadConfig
 from agentx.engine.hints import ToolLatency
 from agentx.engine.kv_cache import KVBlock, KVCacheManager
 from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.offload.interface import KVExport, Offload
 from agentx.engine.offload.mooncake_master import MooncakeMaster
 from agentx.engine.offload.tiered import TieredStore
 from agentx.engine.request import Request
@@ -42,17 +43,9 @@ class PageIO(Protocol):
     def scatter_pages(self, block_ids: list[int], pages: torch.Tensor) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class KVExport:
-    """A session's prefix as another engine can import it from a shared tier."""
-
-    token_ids: tuple[int, ...]  # the tokens of the exported full blocks
-    block_hashes: tuple[BlockHash, ...]
-
-
 @dataclass(slots=True)
 class _Load:
-    handle: str | None  # the held sequence the blocks become (None: the device cache only)
+    handle: str | None  # the held KV the blocks become (None: the device cache only)
     request_id: str | None  # the parked request waiting for it (None: a prefetch or import)
     token_ids: list[int]  # tokens of device_blocks + blocks
     device_blocks: list[KVBlock]  # the device hit in front of the loaded blocks (referenced)
@@ -74,10 +67,10 @@ class _ToolWait:
     return_at: float
     token_ids: list[int]
     block_hashes: list[BlockHash]
-    handle: str | None  # the held sequence to rebuild; None: back into the device cache
+    handle: str | None  # the held KV to rebuild; None: back into the device cache
 
 
-class OffloadManager:
+class OffloadManager(Offload):
     def __init__(
         self,
         store: TieredStore,
@@ -91,14 +84,13 @@ class OffloadManager:
             raise ValueError("offload tiers support single-group (full attention) layouts only")
         self.store = store
         self.kv = kv
-        self.pool = kv.pool
         self.runner = runner
         self.config = config
         self.master = master  # a mooncake_master this engine started (stopped on close)
         self.clock = clock
         self.block_size = kv.block_size
         self.tier_names = [t.name for t in store.tiers]
-        self.pool.published = []
+        kv.enable_publish_log()
         self.loads: dict[int, _Load] = {}
         self.stores: dict[int, torch.Tensor] = {}  # pages kept alive until their event
         self.tool_hints: dict[str, tuple[float, Request]] = {}  # request id -> latency, request
@@ -113,11 +105,11 @@ class OffloadManager:
         for hint in request.hints:
             if isinstance(hint, ToolLatency):
                 self.tool_hints[request.request_id] = (hint.seconds, request)
-        if request.extends is not None:
-            self.tool_waits.pop(request.extends, None)  # the session is back: no prefetch
+        if request.held_kv is not None:
+            self.tool_waits.pop(request.held_kv, None)  # the session is back: no prefetch
         if not self.kv.enable_caching:
             return False
-        held = self.kv.held.get(request.extends)
+        held = self.kv.get_held(request.held_kv)
         if held is not None and request.all_token_ids[: held.num_tokens] == held.token_ids:
             return False  # the device still holds the whole previous turn
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -135,16 +127,13 @@ class OffloadManager:
         token_ids: list[int],
         hashes: list[BlockHash],
     ) -> bool:
-        max_length = len(hashes) * self.block_size
-        hit, num_hit = self.kv.coordinator.find_longest_cache_hit(hashes, max_length)
-        start = num_hit // self.block_size
+        device_blocks = self.kv.find_cached_prefix(hashes)
+        start = len(device_blocks)
         num = self.store.lookup(hashes[start:]).num_hits
-        num = min(num, self.pool.num_free_blocks - len([b for b in hit[0] if b.ref_cnt == 0]))
+        num = min(num, self.kv.get_num_loadable_blocks(device_blocks))
         if num <= 0:
             return False
-        device_blocks = list(hit[0])
-        self.pool.touch(device_blocks)
-        blocks = self.pool.allocate_blocks(num)
+        blocks = self.kv.prepare_load(device_blocks, num)
         pages = torch.empty((num, self.runner.page_bytes), dtype=torch.uint8)
         ticket = self.store.load(hashes[start : start + num], list(pages))
         self.loads[ticket.job_id] = _Load(
@@ -175,23 +164,19 @@ class OffloadManager:
         return ready
 
     def _finish_load(self, load: _Load, num_done: int) -> None:
-        done, failed = load.blocks[:num_done], load.blocks[num_done:]
-        if done:
-            self.runner.scatter_pages([b.block_id for b in done], load.pages[:num_done])
-            log, self.pool.published = self.pool.published, None  # the tiers have them
-            for block, block_hash in zip(done, load.hashes, strict=False):
-                self.pool.cache_block(block, block_hash)
-            self.pool.published = log
-        self.pool.free_blocks(failed)
+        if num_done:
+            done_ids = [b.block_id for b in load.blocks[:num_done]]
+            self.runner.scatter_pages(done_ids, load.pages[:num_done])
+        done = self.kv.complete_load(load.blocks, load.hashes, num_done)
         self.counters.num_loaded_blocks += num_done
-        self.counters.num_failed_blocks += len(failed)
+        self.counters.num_failed_blocks += len(load.blocks) - num_done
         blocks = load.device_blocks + done
         if load.handle is None:  # a prefetch into the device cache: most recently used now
-            self.pool.free_blocks(reversed(blocks))
+            self.kv.free_blocks(blocks)
             return
         if blocks:
             num_tokens = len(blocks) * self.block_size
-            self.kv.held.add(load.handle, load.token_ids[:num_tokens], (blocks,))
+            self.kv.add_held(load.handle, load.token_ids[:num_tokens], (blocks,))
 
     def idle_wait(self, timeout: float = 0.005) -> None:
         """Nothing to schedule: wait a little for a transfer instead of spinning."""
@@ -203,7 +188,7 @@ class OffloadManager:
     # ---- stores and hints after a step ----------------------------------------------------
 
     def after_step(self) -> None:
-        published = self.pool.take_published()
+        published = self.kv.take_published()
         if published:
             pages = self.runner.gather_pages([b.block_id for _, b in published])
             ticket = self.store.store([h for h, _ in published], list(pages), self.tier_names)
@@ -217,17 +202,16 @@ class OffloadManager:
         demoted (released first under pressure; the tiers keep them) and prefetched back
         ``prefetch_margin_s`` before the tool returns."""
         return_at = self.clock() + seconds
-        held = self.kv.held.get(rid)
+        held = self.kv.get_held(rid)
         if held is not None:  # a held turn: released first, reloaded under the same handle
             num_full = held.num_tokens // self.block_size
             hashes = request.block_hashes[:num_full]
             self.tool_waits[rid] = _ToolWait(return_at, held.token_ids[:], hashes, rid)
-            self.kv.held.expected_return[rid] = return_at
+            self.kv.expect_return(rid, return_at)
             return
         num_full = request.num_computed_tokens // self.block_size
         hashes = request.block_hashes[:num_full]
-        blocks = [self.pool.get_cached_block(h) for h in hashes]
-        self.pool.demote_blocks([b for b in blocks if b is not None])
+        self.kv.demote_cached(hashes)
         tokens = request.all_token_ids[: num_full * self.block_size]
         self.tool_waits[f"prefetch:{rid}"] = _ToolWait(return_at, tokens, hashes, None)
 
@@ -237,18 +221,20 @@ class OffloadManager:
             if now < wait.return_at - self.config.prefetch_margin_s:
                 continue
             del self.tool_waits[handle]
-            if wait.handle is not None and wait.handle in self.kv.held:
+            if wait.handle is not None and self.kv.get_held(wait.handle) is not None:
                 continue  # never left the device
             if self._start_load(wait.handle, None, wait.token_ids, wait.block_hashes):
                 self.counters.num_prefetches += 1
 
-    def forget_handle(self, handle: str) -> None:
+    def on_release(self, handle: str, drop_cached: bool) -> None:
         self.tool_waits.pop(handle, None)
+        if drop_cached:  # release drops the session's blocks in every tier
+            self.store.drop(self.held_hashes(handle))
 
     # ---- pins, release, migration ---------------------------------------------------------
 
     def held_hashes(self, handle: str) -> list[BlockHash]:
-        held = self.kv.held.get(handle)
+        held = self.kv.get_held(handle)
         if held is None:
             return []
         return [b.block_hash for b in held.blocks[0] if b.block_hash is not None]
@@ -257,12 +243,9 @@ class OffloadManager:
         hashes = self.held_hashes(handle)
         (self.store.pin if pinned else self.store.unpin)(hashes)
 
-    def drop(self, hashes: list[BlockHash]) -> None:
-        self.store.drop(hashes)
-
     def export(self, handle: str, timeout: float = 30.0) -> KVExport | None:
-        """The held sequence's full blocks, once the tiers hold them (waits for the stores)."""
-        held = self.kv.held.get(handle)
+        """The held KV's full blocks, once the tiers hold them (waits for the stores)."""
+        held = self.kv.get_held(handle)
         if held is None:
             return None
         hashes = self.held_hashes(handle)
@@ -271,10 +254,10 @@ class OffloadManager:
         return KVExport(tuple(held.token_ids[: num * self.block_size]), tuple(hashes[:num]))
 
     def import_(self, export: KVExport, handle: str, timeout: float = 30.0) -> int:
-        """Load an exported prefix as held sequence ``handle``; returns its tokens on device."""
+        """Load an exported prefix as held KV ``handle``; returns its tokens on device."""
         self._start_load(handle, None, list(export.token_ids), list(export.block_hashes))
         self.flush(timeout)
-        held = self.kv.held.get(handle)
+        held = self.kv.get_held(handle)
         return 0 if held is None else held.num_tokens
 
     def flush(self, timeout: float = 30.0) -> None:

@@ -26,8 +26,6 @@ from agentx.engine.request import FINISH_REASONS, Request, RequestStatus
 from agentx.engine.scheduler.queues import QUEUES
 from agentx.errors import PromptTooLongError
 
-_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-
 
 class Scheduler:
     def __init__(
@@ -55,17 +53,28 @@ class Scheduler:
         """Queue a request; reject one the pool could never hold, even alone."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        max_len = min(request.num_prompt_tokens + request.sampling.max_tokens, self.max_model_len)
+        self.check_fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise PromptTooLongError for a request that could never run: a prompt that leaves
+        the model context no room for an output token, or one the pool could not hold even
+        alone. No side effects; safe from any thread (it reads sizes fixed at start)."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {num_prompt_tokens} tokens; the model context is "
+                f"{self.max_model_len} (the prompt must leave room for at least one output token)"
+            )
+        max_len = min(num_prompt_tokens + max_tokens, self.max_model_len)
         num_blocks = self.kv.get_max_num_blocks(max_len)
         if num_blocks > self.kv.pool.num_blocks - 1:
             raise PromptTooLongError(
-                f"request needs up to {max_len} tokens of KV cache "
-                f"({request.num_prompt_tokens} prompt + up to {request.sampling.max_tokens} "
-                f"output), {num_blocks} blocks, but the pool holds "
-                f"{self.kv.pool.num_blocks - 1}: lower max_tokens or grow the pool"
+                f"request needs up to {max_len} tokens of KV cache ({num_prompt_tokens} prompt "
+                f"+ up to {max_tokens} output), {num_blocks} blocks, but the pool holds "
+                f"{self.kv.pool.num_blocks - 1}: lower max_tokens or grow "
+                "CacheConfig.kv_cache_bytes"
             )
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort); returns those that were still live."""
@@ -153,10 +162,10 @@ class Scheduler:
             if new_blocks is None:
                 break  # the pool is full; running requests will free blocks
             self.waiting.pop()
-            if request.extends is not None:
+            if request.held_kv is not None:
                 # adopted or stale: either way the handle is spent once its request runs
-                self.kv.release_held(request.extends)
-                request.extends = None
+                self.kv.release_held(request.held_kv)
+                request.held_kv = None
             self.running.append(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -233,7 +242,7 @@ class Scheduler:
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
         )
-        if request.retain_kv and completed:
+        if request.hold_kv and completed:
             self.kv.hold(request)
         else:
             self.kv.free(request)

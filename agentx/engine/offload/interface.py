@@ -1,0 +1,121 @@
+"""Offload: what the engine core calls on its offload tiers, every step and per held KV.
+
+Two implementations: ``OffloadManager`` (manager.py) drives the tiered store; ``NullOffload``
+(here) is the engine's offload when no tier is configured: the same interface, doing nothing,
+so the core never asks whether it has tiers. Every method runs on the engine thread, with the
+step held; none raises for a tier fault (a failed load is recomputed).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class KVExport:
+    """A session's prefix as another engine can import it from a shared tier."""
+
+    token_ids: tuple[int, ...]  # the tokens of the exported full blocks
+    block_hashes: tuple[BlockHash, ...]
+
+
+class Offload(ABC):
+    @abstractmethod
+    def on_request(self, request: Request) -> bool:
+        """A new request: start loading its prefix from the tiers; True if the core must park
+        it until the load is ready (``poll`` / ``take_ready``)."""
+
+    @abstractmethod
+    def poll(self) -> list[tuple[str, str]]:
+        """Drain finished transfers; (request id, held-KV handle) of parked requests whose
+        prefix is loaded (as that held KV)."""
+
+    @abstractmethod
+    def take_ready(self) -> list[tuple[str, str]]:
+        """Loads that finished outside ``poll`` (a flush), in the same form."""
+
+    @abstractmethod
+    def after_step(self) -> None:
+        """The step's KV is written: store what it published, act on finished turns' hints."""
+
+    @abstractmethod
+    def idle_wait(self, timeout: float = 0.005) -> None:
+        """Nothing to schedule: wait a little for a transfer instead of spinning."""
+
+    @abstractmethod
+    def has_pending(self) -> bool:
+        """Transfers or prefetches are due: the engine loop must keep stepping."""
+
+    @abstractmethod
+    def on_release(self, handle: str, drop_cached: bool) -> None:
+        """Held KV ``handle`` is about to be released (its blocks are still there): forget its
+        prefetch; ``drop_cached`` also drops its blocks from every tier."""
+
+    @abstractmethod
+    def pin(self, handle: str, pinned: bool) -> None:
+        """Soft-pin (or unpin) held KV's blocks in every tier."""
+
+    @abstractmethod
+    def export(self, handle: str) -> KVExport | None:
+        """Held KV's prefix as another engine sharing a tier can import it; None if unknown."""
+
+    @abstractmethod
+    def import_(self, export: KVExport, handle: str) -> int:
+        """Load an exported prefix as held KV ``handle``; returns its tokens on the device."""
+
+    @abstractmethod
+    def get_stats(self) -> dict[str, int]:
+        """``EngineStats`` fields (``offload_*``)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class NullOffload(Offload):
+    """No tiers: nothing loads, stores or prefetches."""
+
+    def on_request(self, request: Request) -> bool:
+        return False
+
+    def poll(self) -> list[tuple[str, str]]:
+        return []
+
+    def take_ready(self) -> list[tuple[str, str]]:
+        return []
+
+    def after_step(self) -> None:
+        pass
+
+    def idle_wait(self, timeout: float = 0.005) -> None:
+        pass
+
+    def has_pending(self) -> bool:
+        return False
+
+    def on_release(self, handle: str, drop_cached: bool) -> None:
+        pass
+
+    def pin(self, handle: str, pinned: bool) -> None:
+        pass
+
+    def export(self, handle: str) -> KVExport | None:
+        return None
+
+    def import_(self, export: KVExport, handle: str) -> int:
+        return 0
+
+    def get_stats(self) -> dict[str, int]:
+        return {}
+
+    def check_integrity(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

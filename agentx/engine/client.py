@@ -57,21 +57,6 @@ class Engine:
         self._thread = threading.Thread(target=self._run_loop, name="agentx-engine", daemon=True)
         self._thread.start()
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the start-up work (warm-up forward, grammar tables, chat template) is done;
-        False if ``timeout`` seconds passed first. Never needed for correctness: a request sent
-        earlier waits for what it needs."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._preparer.join(timeout)
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return self._warmed_up.wait(remaining) and not self._preparer.is_alive()
-
-    def _prepare(self) -> None:
-        try:
-            self.core.prepare()
-        except Exception:  # noqa: BLE001 - the request that needs it raises the error again
-            logger.debug("start-up preparation failed; retried on first use", exc_info=True)
-
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(
@@ -250,7 +235,8 @@ class Engine:
     def _run_loop(self) -> None:
         try:
             try:
-                self.core.warm_up()
+                with self._step_lock:  # held sequences' calls touch the KV tensors too
+                    self.core.warm_up()
             finally:
                 self._warmed_up.set()
             while self._loop_once():
@@ -317,6 +303,21 @@ class Engine:
             stream.fail(error)
 
     # ---- lifecycle ---------------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the start-up work (warm-up forward, grammar tables, chat template) is done;
+        False if ``timeout`` seconds passed first. Never needed for correctness: a request sent
+        earlier waits for what it needs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._preparer.join(timeout)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._warmed_up.wait(remaining) and not self._preparer.is_alive()
+
+    def _prepare(self) -> None:
+        try:
+            self.core.prepare()
+        except Exception:  # noqa: BLE001 - the request that needs it raises the error again
+            logger.debug("start-up preparation failed; retried on first use", exc_info=True)
 
     def close(self) -> None:
         """Stop the loop thread; live requests fail with EngineClosedError. Idempotent."""

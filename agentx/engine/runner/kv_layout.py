@@ -7,7 +7,7 @@ position j views slot j with its spec's shape. Page sizes must match: the pool's
 largest spec's, and when a linear state page outgrows an attention block, the block size is
 doubled until the attention page holds it (a state must fit one page), so padding stays small.
 
-The slots start zeroed (a page never read before holds zeros, not NaN garbage). On the CPU they
+The slots start zeroed (a page never written reads as zeros, never as NaN garbage). On the CPU they
 are anonymous memory maps: the kernel hands out zero pages as they are first written, so a 2 GiB
 pool costs nothing at start (``torch.zeros`` would write every byte, seconds) and resident memory
 grows with the blocks in use. On a GPU, ``torch.zeros`` is one fast memset.

@@ -5,12 +5,20 @@ requests (validated at once, on the caller's thread) and read their deltas from 
 :class:`RequestStream`; the loop thread picks additions and aborts up between steps. If the
 loop raises, every live request fails with :class:`EngineDeadError`; ``close()`` stops the thread
 and fails what is still live with :class:`EngineClosedError`.
+
+Start-up work that requests would otherwise pay for on first use runs in the background, so
+``Engine()`` returns as soon as the model is loaded and the first request costs what any later
+cold request costs: the loop thread runs one small warm-up forward before its first step, and a
+second thread builds the grammar tokenizer tables and compiles the chat template.
+``wait_ready()`` waits for both; requests may be added at any time before that.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
@@ -31,6 +39,8 @@ from agentx.errors import (
 
 Prompt = str | Sequence[int]
 
+logger = logging.getLogger(__name__)
+
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -47,6 +57,9 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self._dead: BaseException | None = None
+        self._warmed_up = threading.Event()  # set when the loop's warm-up ended (or failed)
+        self._preparer = threading.Thread(target=self._prepare, name="agentx-prepare", daemon=True)
+        self._preparer.start()
         self._thread = threading.Thread(target=self._run_loop, name="agentx-engine", daemon=True)
         self._thread.start()
 
@@ -245,6 +258,11 @@ class Engine:
 
     def _run_loop(self) -> None:
         try:
+            try:
+                with self._step_lock:  # held sequences' calls touch the KV tensors too
+                    self.core.warm_up()
+            finally:
+                self._warmed_up.set()
             while self._loop_once():
                 pass
         except BaseException as exc:  # noqa: BLE001 - every failure must reach the callers
@@ -309,6 +327,21 @@ class Engine:
             stream.fail(error)
 
     # ---- lifecycle ---------------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the start-up work (warm-up forward, grammar tables, chat template) is done;
+        False if ``timeout`` seconds passed first. Never needed for correctness: a request sent
+        earlier waits for what it needs."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._preparer.join(timeout)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._warmed_up.wait(remaining) and not self._preparer.is_alive()
+
+    def _prepare(self) -> None:
+        try:
+            self.core.prepare()
+        except Exception:  # noqa: BLE001 - the request that needs it raises the error again
+            logger.debug("start-up preparation failed; retried on first use", exc_info=True)
 
     def close(self) -> None:
         """Stop the loop thread; live requests fail with EngineClosedError. Idempotent."""

@@ -7,6 +7,11 @@ step; compiled grammars are cached by source. While a request runs, its :class:`
 gives a token bitmask for the next position (computed beside the forward) and consumes every
 sampled token. llguidance was chosen over xgrammar because it installs from one dependency-free
 wheel here (xgrammar pulls transformers and triton at run time) and computes a mask in ~1 ms.
+
+llguidance is imported only when a grammar is compiled, so ``import agentx`` does not load it,
+and its ``llguidance.torch`` helpers are not used at all: that module imports ``torch._dynamo``
+(seconds) and ``torch.compile``s its mask kernel on the first constrained step (seconds more, and
+a C compiler on CPU). The three tensor helpers it offers are a few lines of plain torch here.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
-import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from agentx.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import llguidance
 
 __all__ = ["COMPACT_JSON", "GrammarBackend", "GrammarMatcher", "StructuredOutput", "compact_json"]
 
@@ -62,6 +69,8 @@ class StructuredOutput:
         return "lark:" + self.grammar
 
     def to_llguidance(self) -> str:
+        import llguidance
+
         if self.json_schema is not None:
             schema = self.json_schema
             if isinstance(schema, str):
@@ -94,7 +103,10 @@ class GrammarMatcher:
         self._matcher = matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        llg_torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        """Write the allowed-token bits of the next position into ``bitmask[row]`` (a CPU
+        int32 tensor from :meth:`GrammarBackend.allocate_bitmask`)."""
+        words = bitmask[row]
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.itemsize)
 
     def accept(self, token_id: int) -> bool:
         return self._matcher.consume_token(token_id)
@@ -120,11 +132,13 @@ class GrammarBackend:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self.vocab_size = vocab_size
         eos = min(eos_token_ids) if eos_token_ids else None
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        self._tokenizer = _ll_tokenizer(tokenizer_json, vocab_size, eos)
         self._compiled: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> str:
+        import llguidance
+
         key = spec.key()
         with self._lock:
             grammar = self._compiled.get(key)
@@ -145,15 +159,37 @@ class GrammarBackend:
 
     def new_matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher for one request; raises InvalidRequestError for a bad grammar."""
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._tokenizer, self.compile(spec))
         if matcher.is_error():
             raise InvalidRequestError(f"invalid structured output: {matcher.get_error()}")
         return GrammarMatcher(matcher)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
-        return llg_torch.allocate_token_bitmask(num_rows, self.vocab_size)
+        """(num_rows, ceil(V / 32)) int32 on the CPU, every token allowed until filled."""
+        return torch.full((num_rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+
+
+@lru_cache(maxsize=4)
+def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos: int | None) -> llguidance.LLTokenizer:
+    """Built once per tokenizer in a process (~0.5 s for 49K tokens; engines on one model share
+    it); an LLTokenizer is immutable, and matchers only read it."""
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set disallowed tokens' logits to -inf in place; logits (N, V), bitmask (N, V/32)."""
-    llg_torch.apply_token_bitmask_inplace(logits, bitmask)
+    """Set disallowed tokens' logits to -inf in place; logits (N, V), bitmask (N, W) int32.
+
+    Token ``t`` is allowed when bit ``t % 32`` of word ``t // 32`` is set (llguidance's layout);
+    tokens past ``32 * W`` are disallowed. The bitmask may live on another device than logits.
+    """
+    num_rows, vocab_size = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # (N, W, 32)
+    allowed = bits.view(num_rows, -1)[:, :vocab_size].bool()  # (N, min(V, 32 W))
+    logits[:, : allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
+    logits[:, allowed.shape[1] :] = float("-inf")

@@ -4,6 +4,9 @@ Owns :class:`Tokenizer` (a thin wrapper over a ``tokenizers.Tokenizer``) and how
 a Hugging Face folder. Building from GGUF metadata (and caching it) lives in ``tokenizer_gguf``,
 template rendering in ``chat_template``, streaming text in ``detokenizer``. It knows nothing
 about weights, models or sessions.
+
+Its libraries (``tokenizers``, ``jinja2`` for templates, ``gguf`` for metadata) are imported where
+they are used, so ``import agentx`` does not pay for them; an engine loads them when it starts.
 """
 
 from __future__ import annotations
@@ -13,14 +16,13 @@ import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import tokenizers
-from gguf import GGUFReader
-
-from agentx.engine.models.chat_template import compile_chat_template
 from agentx.errors import InvalidRequestError, ModelLoadError
+
+if TYPE_CHECKING:
+    import tokenizers
+    from gguf import GGUFReader
 
 __all__ = ["Tokenizer"]
 
@@ -109,11 +111,13 @@ class Tokenizer:
         Raises InvalidRequestError when there is no template, or when it rejects the messages
         (``raise_exception`` in the template, a missing key, a wrong type).
         """
+        import jinja2
+
         if self.chat_template is None:
             raise InvalidRequestError(
                 "this checkpoint has no chat template; send a plain prompt or token ids instead"
             )
-        template = compile_chat_template(self.chat_template)
+        template = self.get_compiled_chat_template()
         variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **extra}
         try:
             return template.render(
@@ -124,6 +128,16 @@ class Tokenizer:
             )
         except (jinja2.TemplateError, TypeError) as exc:
             raise InvalidRequestError(f"the chat template failed on these messages: {exc}") from exc
+
+    def get_compiled_chat_template(self) -> Any:
+        """The chat template as a compiled ``jinja2.Template`` (None without a template).
+
+        Compiled once per template text (cached); an engine calls this at start so the first
+        turn does not pay for it. Raises InvalidRequestError when the template does not parse.
+        """
+        from agentx.engine.models.chat_template import compile_chat_template
+
+        return None if self.chat_template is None else compile_chat_template(self.chat_template)
 
     def encode_chat(
         self,
@@ -147,6 +161,8 @@ class Tokenizer:
         from the metadata only when both miss (the key is the file's path, mtime and size). A
         given reader is used for that build; a path is opened only if it comes to that.
         """
+        from gguf import GGUFReader
+
         from agentx.engine.models.tokenizer_gguf import cached_gguf_tokenizer, open_gguf
 
         if isinstance(source, GGUFReader):
@@ -159,6 +175,8 @@ class Tokenizer:
     def from_hf_folder(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Read ``tokenizer.json``, ``tokenizer_config.json``, the chat template and the eos ids
         of ``generation_config.json`` / ``config.json`` from a Hugging Face model folder."""
+        import tokenizers
+
         folder = Path(path)
         file = folder / "tokenizer.json"
         if not file.is_file():
@@ -201,6 +219,8 @@ class Tokenizer:
     @classmethod
     def from_cache_json(cls, text: str) -> Tokenizer:
         """Inverse of :meth:`to_cache_json`; raises ValueError/KeyError/Exception on bad input."""
+        import tokenizers
+
         data = json.loads(text)
         if data["format"] != _CACHE_FORMAT:
             raise ValueError(f"cache format {data['format']!r}, expected {_CACHE_FORMAT}")

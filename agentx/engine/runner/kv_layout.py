@@ -6,10 +6,16 @@ group of all layers). Memory is G slot buffers of ``num_blocks`` pages; a group'
 position j views slot j with its spec's shape. Page sizes must match: the pool's page is the
 largest spec's, and when a linear state page outgrows an attention block, the block size is
 doubled until the attention page holds it (a state must fit one page), so padding stays small.
+
+The slots start zeroed (a page never written reads as zeros, never as NaN garbage). On the CPU they
+are anonymous memory maps: the kernel hands out zero pages as they are first written, so a 2 GiB
+pool costs nothing at start (``torch.zeros`` would write every byte, seconds) and resident memory
+grows with the blocks in use. On a GPU, ``torch.zeros`` is one fast memset.
 """
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import torch
@@ -91,7 +97,7 @@ def allocate_kv_caches(
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """The slot buffers, and each layer's cache as a view into its slot."""
     slots = [
-        torch.zeros(layout.num_blocks, layout.page_size_bytes, dtype=torch.uint8, device=device)
+        allocate_zeroed(layout.num_blocks, layout.page_size_bytes, device)
         for _ in range(layout.num_slots)
     ]
     caches: list[Any] = [None] * layout.num_layers
@@ -99,6 +105,15 @@ def allocate_kv_caches(
         for j, layer_id in enumerate(group.layer_ids):
             caches[layer_id] = _view(slots[j], group.spec)
     return slots, caches
+
+
+def allocate_zeroed(num_rows: int, row_bytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed (num_rows, row_bytes) uint8 tensor; on the CPU backed lazily (see above)."""
+    if device.type != "cpu":
+        return torch.zeros(num_rows, row_bytes, dtype=torch.uint8, device=device)
+    # Private anonymous pages read as zero until written (POSIX); the tensor keeps the map alive.
+    memory = mmap.mmap(-1, num_rows * row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(num_rows, row_bytes)
 
 
 def _view(slot: torch.Tensor, spec: KVCacheSpec) -> Any:

@@ -77,42 +77,32 @@ class FixedStepCost(StepCostModel):
 class AdaptiveStepCost(StepCostModel):
     """Least squares over the measured steps, each step's weight decaying by ``decay`` per
     later step (an EMA of the fit's sums: ~1 / (1 - decay) recent steps count), anchored by the
-    prior.
+    previous estimate (at first, the prior).
 
-    The prior enters as three pseudo-steps of small, never decaying weight: a lone decode, 16
-    decodes, a 256-token chunk alone. They span the three coefficients, so the fit stays defined
-    when the measured steps do not (a run of decode-only steps says nothing about what a
-    prefill token costs: that part of the estimate stays where it was, or at the prior); and
-    they are light enough that a few real steps outweigh them.
+    The anchor is a light ridge: each coefficient is pulled toward its previous value, scaled by
+    how much of a typical step it accounts for (1 ms of base weighs like 1/256 ms per token of a
+    256-token chunk, or 1/16 ms per request of 16 decodes). It keeps the fit defined when the
+    measured steps do not span all three coefficients: a long run of decode-only steps says
+    nothing about what a prefill token costs, so that stays where the last chunks put it
+    (instead of decaying back to the prior) while base and per-request costs follow the
+    decodes. A few real steps outweigh the anchor wherever they do say something.
     """
 
-    PRIOR_STEPS = ((1, 1), (16, 16), (256, 1))  # (num_tokens, num_requests)
+    ANCHOR_SCALE = (1.0, 256.0, 16.0)  # (base, per token, per request)
 
-    def __init__(self, prior: StepCost, decay: float = 0.98, prior_weight: float = 0.01) -> None:
+    def __init__(self, prior: StepCost, decay: float = 0.9, prior_weight: float = 0.01) -> None:
         if not 0 < decay < 1 or prior_weight <= 0:
             raise ConfigError(
                 f"need 0 < decay < 1 and prior_weight > 0, got {decay}, {prior_weight}"
             )
-        self.decay = decay
+        self.decay, self.prior_weight = decay, prior_weight
         # the normal equations: gram = sum w x x^T, moment = sum w x y, x = (1, tokens, requests)
-        self._prior_gram = [[0.0] * 3 for _ in range(3)]
-        self._prior_moment = [0.0] * 3
-        for num_tokens, num_requests in self.PRIOR_STEPS:
-            _accumulate(
-                self._prior_gram,
-                self._prior_moment,
-                (1.0, num_tokens, num_requests),
-                prior.estimate_ms(num_tokens, num_requests),
-                prior_weight,
-            )
         self._gram = [[0.0] * 3 for _ in range(3)]
         self._moment = [0.0] * 3
         self.num_observed = 0
-        self._cost: StepCost | None = prior
+        self._cost = prior
 
     def get_cost(self) -> StepCost:
-        if self._cost is None:
-            self._cost = self._fit()
         return self._cost
 
     def observe(self, num_tokens: int, num_requests: int, step_ms: float) -> None:
@@ -123,14 +113,15 @@ class AdaptiveStepCost(StepCostModel):
         self._moment[:] = [v * self.decay for v in self._moment]
         _accumulate(self._gram, self._moment, (1.0, num_tokens, num_requests), step_ms, 1.0)
         self.num_observed += 1
-        self._cost = None
+        self._cost = self._fit(self._cost)
 
-    def _fit(self) -> StepCost:
-        gram = [
-            [a + b for a, b in zip(row, prior, strict=True)]
-            for row, prior in zip(self._gram, self._prior_gram, strict=True)
-        ]
-        moment = [a + b for a, b in zip(self._moment, self._prior_moment, strict=True)]
+    def _fit(self, anchor: StepCost) -> StepCost:
+        gram = [row[:] for row in self._gram]
+        moment = self._moment[:]
+        previous = (anchor.base_ms, anchor.token_ms, anchor.request_ms)
+        for i, (scale, value) in enumerate(zip(self.ANCHOR_SCALE, previous, strict=True)):
+            gram[i][i] += self.prior_weight * scale * scale
+            moment[i] += self.prior_weight * scale * scale * value
         base, token, request = _solve3(gram, moment)
         # a noisy fit may swap cost between the coefficients; none of them can be negative
         return StepCost(max(base, 0.0), max(token, _MIN_TOKEN_MS), max(request, 0.0))
@@ -146,7 +137,7 @@ def _accumulate(
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """Solve the 3x3 system a x = b (a symmetric positive definite: the prior makes it so),
+    """Solve the 3x3 system a x = b (a symmetric positive definite: the anchor makes it so),
     Gaussian elimination with partial pivoting."""
     m = [row[:] + [rhs] for row, rhs in zip(a, b, strict=True)]  # (3, 4) augmented
     for col in range(3):

@@ -1,12 +1,14 @@
-"""Greedy output stays identical under batching, prefix-cache hits, chunked prefill and
-preemption, on the real default model, in both weight modes: ``quantization="none"`` (fp32,
-which must also equal the transformers reference) and the default ``"auto"`` (the GGUF's own
-Q4_1 / Q8_0 weights through the int4 / int8 kernels; its reference is each prompt run alone)."""
+"""Greedy output stays identical under batching, prefix-cache hits, chunked prefill, the
+prefill share while decoding and preemption, on the real default model, in both weight modes:
+``quantization="none"`` (fp32, which must also equal the transformers reference) and the
+default ``"auto"`` (the GGUF's own Q4_1 / Q8_0 weights through the int4 / int8 kernels; its
+reference is each prompt run alone)."""
 
 import pytest
 import torch
 
-from agentx import CacheConfig, SamplingParams, SchedulerConfig
+from agentx import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
+from agentx.engine.core import EngineCore
 
 pytestmark = pytest.mark.slow
 
@@ -122,3 +124,61 @@ def test_preemption_keeps_tokens(make_engine_q, greedy_prompts, reference_tokens
     assert [g.token_ids for g in gens] == reference_tokens
     engine.check_integrity()
     assert engine.stats().kv_num_used_blocks == 0
+
+
+def run_with_late_long_prompt(scheduler, prompts, long_prompt, quantization):
+    """The prompts decode; three steps later the long one arrives. Driven step by step on an
+    EngineCore, so the schedule is exact. Returns every request's tokens (the long one last) and
+    the long prompt's chunk sizes."""
+    core = EngineCore(
+        EngineConfig(
+            cache=CacheConfig(kv_cache_bytes=256 << 20),
+            scheduler=scheduler,
+            quantization=quantization,
+        )
+    )
+    tokens = {f"p{i}": [] for i in range(len(prompts))} | {"long": []}
+    for i, prompt in enumerate(prompts):
+        core.add_request(core.make_request(f"p{i}", prompt, GREEDY))
+    chunks = []
+    for num_steps in range(10_000):
+        if num_steps == 3:
+            core.add_request(core.make_request("long", long_prompt, GREEDY))
+        long = core.scheduler.requests.get("long")
+        before = long.num_computed_tokens if long is not None else 0
+        for delta in core.step():
+            tokens[delta.request_id] += delta.new_token_ids
+        if long is not None and before < len(long_prompt):
+            chunks.append(long.num_computed_tokens - before)
+        core.check_integrity()
+        if not core.has_unfinished_requests():
+            break
+    core.close()
+    return list(tokens.values()), chunks
+
+
+def test_prefill_share_while_decoding_keeps_tokens(quantization, greedy_prompts, reference_tokens):
+    prompts = greedy_prompts[:4]
+    long_prompt = sum(greedy_prompts, []) * 4
+    off, off_chunks = run_with_late_long_prompt(
+        SchedulerConfig(decode_step_target_ms=0), prompts, long_prompt, quantization
+    )
+    assert off[:4] == reference_tokens[:4]
+    assert off_chunks == [len(long_prompt)]  # one chunk: the decodes wait behind all of it
+    # a fixed model, 1 ms a token: the 4 decodes take 4 ms of 20, chunks get 16 tokens
+    fixed = SchedulerConfig(
+        decode_step_target_ms=20.0,
+        decode_step_min_prefill_tokens=8,
+        step_cost_model="fixed",
+        step_cost_base_ms=0.0,
+        step_cost_token_ms=1.0,
+        step_cost_request_ms=0.0,
+    )
+    on, on_chunks = run_with_late_long_prompt(fixed, prompts, long_prompt, quantization)
+    assert on_chunks == [16] * (len(long_prompt) // 16) + [len(long_prompt) % 16] * (
+        len(long_prompt) % 16 > 0
+    )
+    assert on == off
+    # the adaptive model on this machine's clock: chunks vary with its load, tokens do not
+    adaptive, _ = run_with_late_long_prompt(SchedulerConfig(), prompts, long_prompt, quantization)
+    assert adaptive == off

@@ -6,13 +6,20 @@ admission order), then waiting ones in policy order. A request is given
 by what is left of the budget. There are no prefill or decode phases: a decode is a request one
 token behind, a chunked prefill is a request the budget clipped.
 
+While some running request decodes, requests given more than one token (chunks) also share a
+smaller part of the budget: what the step cost model (step_cost.py) says keeps the step near
+``decode_step_target_ms``, so a decode never waits behind a whole long chunk. The scheduler times
+each step (schedule() to update_from_output()) and feeds the model.
+
 When the pool runs out, the policy's victim is preempted by recompute: its blocks go back to the
 pool with their cached content, so on resume it takes a prefix hit on what survived.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from agentx.config import SchedulerConfig
 from agentx.engine.kv_cache import KVCacheBlocks, KVCacheManager
@@ -24,13 +31,46 @@ from agentx.engine.outputs import (
 )
 from agentx.engine.request import FINISH_REASONS, Request, RequestStatus
 from agentx.engine.scheduler.queues import QUEUES
+from agentx.engine.scheduler.step_cost import StepCostModel, make_step_cost
 from agentx.errors import PromptTooLongError
+
+
+@dataclass(slots=True)
+class _StepBudget:
+    """What is left of one step's budget: tokens for every request, and the share of requests
+    given more than one token (chunks). The share is the whole budget unless something decodes."""
+
+    num_tokens: int
+    num_chunk_tokens: int
+
+    def clip(self, num_new: int) -> int:
+        """Tokens a request asking for ``num_new`` gets (0: the chunk share is spent)."""
+        if num_new > 1:
+            num_new = min(num_new, self.num_chunk_tokens)
+        return min(num_new, self.num_tokens)
+
+    def take(self, num_new: int) -> None:
+        self.num_tokens -= num_new
+        if num_new > 1:
+            self.num_chunk_tokens -= num_new
+
+    def give_back(self, num_new: int) -> None:
+        self.num_tokens += num_new
+        if num_new > 1:
+            self.num_chunk_tokens += num_new
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        cost_model: StepCostModel | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``cost_model``: None builds the configured one. ``clock``: seconds, for step times
+        (tests pass a fake one)."""
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -46,6 +86,9 @@ class Scheduler:
         self.num_computed_tokens = 0
         self.num_reused_tokens = 0
         self.num_generated_tokens = 0
+        self.cost_model = cost_model if cost_model is not None else make_step_cost(config)
+        self.clock = clock
+        self._step_started: float | None = None  # clock() when the scheduled step left
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -114,50 +157,72 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = _StepBudget(self.config.max_num_batched_tokens, self._get_chunk_share())
         # request id -> (request, n tokens, new KV blocks)
         scheduled: dict[str, tuple[Request, int, KVCacheBlocks]] = {}
         preempted_any = False
 
         for request in list(self.running):
-            if budget <= 0:
+            if budget.num_tokens <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._clip(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue  # the chunk share is spent; decodes behind it still run
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.queue_cls.pick_victim(self.running)
-                budget += self._preempt(victim, scheduled)
+                budget.give_back(self._preempt(victim, scheduled))
                 preempted_any = True
                 if victim is request:
                     break
             if new_blocks is None:
                 continue
             scheduled[request.request_id] = (request, num_new, new_blocks)
-            budget -= num_new
+            budget.take(num_new)
 
         if not preempted_any and self._may_admit():
-            budget = self._admit_waiting(budget, scheduled)
+            self._admit_waiting(budget, scheduled)
 
-        return self._build_output(scheduled)
+        output = self._build_output(scheduled)
+        self._step_started = None if output.is_empty else self.clock()
+        return output
 
-    def _clip(self, num_new: int, budget: int) -> int:
+    def _get_chunk_share(self) -> int:
+        """Tokens that requests given more than one token may take this step: the whole budget,
+        unless some running request decodes (has one new token); then what keeps the step near
+        ``decode_step_target_ms`` beside the decodes, by the cost model, but never less than
+        ``decode_step_min_prefill_tokens``."""
+        budget = self.config.max_num_batched_tokens
+        target_ms = self.config.decode_step_target_ms
+        num_decoding = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        if not target_ms or not num_decoding:
+            return budget
+        cost = self.cost_model.get_cost()
+        share = cost.get_num_tokens(target_ms, num_decoding, num_decoding)
+        return min(max(share, self.config.decode_step_min_prefill_tokens), budget)
+
+    def _clip(self, num_new: int, budget: _StepBudget) -> int:
         threshold = self.config.long_prefill_token_threshold
         if threshold:
             num_new = min(num_new, threshold)
-        return min(num_new, budget)
+        return budget.clip(num_new)
 
     def _may_admit(self) -> bool:
         interval = self.config.prefill_schedule_interval
         return interval == 1 or not self.running or self.num_steps % interval == 0
 
     def _admit_waiting(
-        self, budget: int, scheduled: dict[str, tuple[Request, int, KVCacheBlocks]]
-    ) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        self, budget: _StepBudget, scheduled: dict[str, tuple[Request, int, KVCacheBlocks]]
+    ) -> None:
+        while (
+            self.waiting and budget.num_tokens > 0 and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = self._clip(request.num_tokens - num_hit, budget)
+            if num_new == 0:
+                break  # the chunk share is spent; admission keeps the queue's order
             new_blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks)
             if new_blocks is None:
                 break  # the pool is full; running requests will free blocks
@@ -174,8 +239,7 @@ class Scheduler:
             self.num_reused_tokens += num_hit
             self._known_to_runner.discard(request.request_id)
             scheduled[request.request_id] = (request, num_new, new_blocks)
-            budget -= num_new
-        return budget
+            budget.take(num_new)
 
     def _preempt(
         self, victim: Request, scheduled: dict[str, tuple[Request, int, KVCacheBlocks]]
@@ -223,6 +287,7 @@ class Scheduler:
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Append sampled tokens, finish requests that stop, and report deltas."""
+        self._observe_step(output)
         deltas = []
         for item in output.scheduled:
             token_id = runner_output.sampled_token_ids.get(item.request_id)
@@ -236,6 +301,14 @@ class Scheduler:
                 self._free(request)
             deltas.append(make_output(request, [token_id]))
         return deltas
+
+    def _observe_step(self, output: SchedulerOutput) -> None:
+        """Tell the cost model how long the step since schedule() took (the runner's time)."""
+        if self._step_started is None or output.is_empty:
+            return
+        step_ms = (self.clock() - self._step_started) * 1e3
+        self._step_started = None
+        self.cost_model.observe(output.num_scheduled_tokens, len(output.scheduled), step_ms)
 
     def _free(self, request: Request) -> None:
         completed = request.status in (

@@ -86,6 +86,7 @@ def replay_timing(engine: Engine, outputs: list[list[int]], max_tokens: int) -> 
     backend = engine.core._grammar_backend()
     spec = tool_call_grammar(list(make_tools([patch]).values()), "required")
     bitmask = backend.allocate_bitmask(1)
+    outputs = [ids for ids in outputs if _accepted(backend.new_matcher(spec), ids)]
     per_step = []
     for budgeted in (False, True):
         steps, elapsed = 0, 0.0
@@ -99,6 +100,12 @@ def replay_timing(engine: Engine, outputs: list[list[int]], max_tokens: int) -> 
             steps += len(token_ids)
         per_step.append(elapsed / steps * 1e6)
     return tuple(per_step)
+
+
+def _accepted(matcher, token_ids: list[int]) -> bool:
+    """The grammar takes ``token_ids`` as they are (a re-tokenized call may differ from what
+    the model wrote, e.g. a number's spelling)."""
+    return all(matcher.accept(t) for t in token_ids) and matcher.is_accepting
 
 
 def main() -> None:

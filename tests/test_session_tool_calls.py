@@ -35,6 +35,8 @@ BLOCK_LIST = (
 )
 BAD_JSON = '<tool_call>[{"name": "add", "arguments": {"a": 1]</tool_call>'
 BAD_JSON_ERROR = "invalid JSON: Expecting ',' delimiter: line 1 column 38 (char 37)"
+UNCLOSED = '<tool_call>[{"name": "add", "arguments": {"a": "x]</tool_call>'
+UNCLOSED_ERROR = "invalid JSON: Unterminated string starting at: line 1 column 37 (char 36)"
 NO_NAME = '<tool_call>[{"arguments": {"a": 1}}]</tool_call>'
 LIST_ARGS = '<tool_call>[{"name": "add", "arguments": [1, 2]}]</tool_call>'
 
@@ -68,6 +70,16 @@ CASES = [
         [call("call_0", "flag", on=True, tag=None)],
     ),
     ("<tool_call>[]</tool_call>", "", []),
+    (  # the closing tag inside a string is text (a grammar allows it there)
+        '<tool_call>[{"name": "edit", "arguments": {"new": "</tool_call> \\"q\\""}}]</tool_call>!',
+        "!",
+        [call("call_0", "edit", new='</tool_call> "q"')],
+    ),
+    (  # a string never closed: the first closing tag ends the block, as it always did
+        UNCLOSED + ' then <tool_call>[{"name": "now"}]</tool_call>',
+        " then ",
+        [bad("call_0", "add", UNCLOSED, UNCLOSED_ERROR), call("call_1", "now")],
+    ),
     (
         "no calls here, only <b>html</b> and a < sign",
         "no calls here, only <b>html</b> and a < sign",

@@ -121,12 +121,24 @@ def test_unconstrained_greedy_is_unchanged_beside_constrained(default_engine, gr
     assert same.token_ids == free.token_ids
 
 
-def test_output_cut_by_max_tokens_says_so(default_engine):
-    gen = default_engine.generate(
-        [prompt_for(default_engine, "plot")],
-        SamplingParams(max_tokens=4, structured=call_grammar("plot", Plot)),
-    )[0]
-    assert gen.finish_reason == "length" and gen.stop_reason == "grammar_incomplete"
+def test_a_budget_below_the_shortest_is_refused_and_a_tight_one_closes_validly(default_engine):
+    spec, prompt = call_grammar("plot", Plot), [prompt_for(default_engine, "plot")]
+    minimum = default_engine.core._grammar_backend().min_tokens(spec)
+    with pytest.raises(InvalidRequestError, match=f"takes {minimum}: raise max_tokens"):
+        default_engine.generate(prompt, SamplingParams(max_tokens=4, structured=spec))
+    for seed, max_tokens in enumerate([minimum, minimum + 5, minimum + 20]):
+        sampling = SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=max_tokens, structured=spec
+        )
+        gen = default_engine.generate(prompt, sampling)[0]
+        _, calls = ToolCallParser().parse(gen.text)
+        Plot.model_validate(calls[0].arguments)
+        assert len(gen.token_ids) <= max_tokens
+        assert (gen.finish_reason, gen.stop_reason) in (
+            ("stop", "grammar"),
+            ("length", "grammar_budget"),
+        )
+    assert gen.stop_reason == "grammar_budget" or len(gen.token_ids) < minimum + 20
 
 
 def test_bad_grammars_are_rejected_before_scheduling(default_engine):

@@ -133,7 +133,8 @@ class EngineCore:
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
         grammar = None
         if sampling.structured is not None:  # compiled here, on the caller's thread
-            grammar = self._grammar_backend().new_matcher(sampling.structured)
+            num_output = min(sampling.max_tokens, self.max_model_len - len(token_ids))
+            grammar = self._grammar_backend().new_matcher(sampling.structured, num_output)
         return Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -290,7 +291,7 @@ class EngineCore:
     def _with_text(self, delta: RequestOutput) -> RequestOutput:
         state = self._texts[delta.request_id]
         token_ids = delta.new_token_ids
-        if isinstance(delta.stop_reason, int) and not state.include_stop:
+        if _ends_on_stop_token(delta, self.eos_token_ids) and not state.include_stop:
             token_ids = token_ids[:-1]  # an EOS or stop token ends the text, it is not text
         new_text = state.push(token_ids)
         if state.matched is not None and delta.stop_reason != state.matched:
@@ -332,3 +333,12 @@ class EngineCore:
         rows = set(self.runner.input_batch.row_of)
         known = self.scheduler.get_runner_request_ids()
         assert rows <= known, f"the runner keeps rows of finished requests: {rows - known}"
+
+
+def _ends_on_stop_token(delta: RequestOutput, eos_token_ids: frozenset[int]) -> bool:
+    """The delta's last token is the EOS or stop token that ended the request (a budget that
+    closed a grammar in an accepting state ends it with EOS too)."""
+    if isinstance(delta.stop_reason, int):
+        return True
+    ids = delta.new_token_ids
+    return delta.stop_reason == "grammar_budget" and bool(ids) and ids[-1] in eos_token_ids

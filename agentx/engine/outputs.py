@@ -66,6 +66,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
+    # the EOS / stop token id or stop string; a grammar's: "grammar" (it ended), "grammar_budget"
+    # (complete and valid, closed early to fit max_tokens), "grammar_incomplete" (cut short)
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_cached_tokens: int

@@ -106,12 +106,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
+    def append_output_token(self, token_id: int) -> int:
+        """Append a sampled token, or the one the grammar's budget puts in its place; returns
+        the token appended."""
         if self.grammar is not None:
-            self.grammar.accept(token_id)
+            token_id = self.grammar.commit(token_id)
+        self.all_token_ids.append(token_id)
         if self.num_tokens % self.block_size == 0:
             self._update_block_hashes()
+        return token_id
 
     def _update_block_hashes(self) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
@@ -120,7 +123,10 @@ class Request:
         """Finish the request if its last token ends it. Returns True if it did."""
         last = self.all_token_ids[-1]
         sampling = self.sampling
-        if self.grammar is not None and self.grammar.is_terminated:
+        if self.grammar is not None and self.grammar.budget_closed and self.grammar.is_terminated:
+            # complete and valid, but the budget chose where it ended
+            self.status, self.stop_reason = RequestStatus.FINISHED_LENGTH, "grammar_budget"
+        elif self.grammar is not None and self.grammar.is_terminated:
             reason = last if last in self.eos_token_ids else "grammar"
             self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, reason
         elif not sampling.ignore_eos and last in self.eos_token_ids:
@@ -131,4 +137,6 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
             if self.grammar is not None and not self.grammar.is_accepting:
                 self.stop_reason = "grammar_incomplete"  # cut off before the grammar could end
+            elif self.grammar is not None and self.grammar.budget_closed:
+                self.stop_reason = "grammar_budget"
         return self.status.is_finished

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentx.engine.grammar_budget import CompletionSearch, CompletionVocab, GrammarBudget
 from agentx.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -97,19 +98,43 @@ def compact_json(schema: Any) -> Any:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and its token budget (``grammar_budget.py``)
+    when it has one."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, budget: GrammarBudget | None = None) -> None:
         self._matcher = matcher
+        self.budget = budget
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bits of the next position into ``bitmask[row]`` (a CPU
-        int32 tensor from :meth:`GrammarBackend.allocate_bitmask`)."""
+        int32 tensor from :meth:`GrammarBackend.allocate_bitmask`); a budget with no slack
+        left narrows them to its plan's next token."""
         words = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.itemsize)
+        forced = self.budget.forced_token if self.budget is not None else None
+        if forced is not None:
+            mask = bitmask[row]
+            if not _allows_only(mask, forced):
+                self.budget.closed = True  # the grammar allowed more: the budget chose
+            mask.zero_()
+            mask[forced >> 5] = _bit_word(forced & 31)
 
     def accept(self, token_id: int) -> bool:
+        """Consume ``token_id`` as it is (no budget); False once the matcher is in error."""
         return self._matcher.consume_token(token_id)
+
+    def commit(self, token_id: int) -> int:
+        """Consume a sampled token, or the token the budget puts in its place (see
+        ``GrammarBudget.commit``); returns the token consumed."""
+        if self.budget is None:
+            self._matcher.consume_token(token_id)
+            return token_id
+        return self.budget.commit(self._matcher, token_id)
+
+    @property
+    def budget_closed(self) -> bool:
+        """The budget decided at least one token: the output is complete but cut short."""
+        return self.budget is not None and self.budget.closed
 
     @property
     def is_terminated(self) -> bool:
@@ -126,6 +151,22 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
+def _bit_word(bit: int) -> int:
+    """The int32 word with only ``bit`` set."""
+    return (1 << bit) - (1 << 32 if bit == 31 else 0)
+
+
+def _allows_only(mask: torch.Tensor, token_id: int) -> bool:
+    """The packed (V/32,) int32 ``mask`` allows ``token_id`` and nothing else."""
+    nonzero = mask.nonzero()
+    word = token_id >> 5
+    return (
+        len(nonzero) == 1
+        and int(nonzero[0]) == word
+        and int(mask[word]) == _bit_word(token_id & 31)
+    )
+
+
 class GrammarBackend:
     """The tokenizer's llguidance view plus a cache of compiled grammars (thread-safe)."""
 
@@ -134,6 +175,9 @@ class GrammarBackend:
         eos = min(eos_token_ids) if eos_token_ids else None
         self._tokenizer = _ll_tokenizer(tokenizer_json, vocab_size, eos)
         self._compiled: dict[str, str] = {}
+        self._searches: dict[str, CompletionSearch] = {}
+        self._vocab: CompletionVocab | None = None
+        self._eos = eos if eos is not None else 0
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> str:
@@ -157,14 +201,47 @@ class GrammarBackend:
             self._compiled[key] = grammar
         return grammar
 
-    def new_matcher(self, spec: StructuredOutput) -> GrammarMatcher:
-        """A fresh matcher for one request; raises InvalidRequestError for a bad grammar."""
+    def new_matcher(self, spec: StructuredOutput, max_tokens: int | None = None) -> GrammarMatcher:
+        """A fresh matcher for one request; with ``max_tokens`` (what the output may hold) it
+        ends complete within them. Raises InvalidRequestError for a bad grammar, or for
+        ``max_tokens`` below the shortest output the grammar allows."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self._tokenizer, self.compile(spec))
         if matcher.is_error():
             raise InvalidRequestError(f"invalid structured output: {matcher.get_error()}")
-        return GrammarMatcher(matcher)
+        if max_tokens is None:
+            return GrammarMatcher(matcher)
+        search = self._search_for(spec.key())
+        plan = search.shortest(matcher)
+        if plan is None:  # no completion found within the search's limits: no guarantee
+            return GrammarMatcher(matcher)
+        if len(plan) > max_tokens:
+            raise InvalidRequestError(
+                f"the output may hold {max_tokens} tokens, but the shortest output this grammar "
+                f"allows takes {len(plan)}: raise max_tokens to at least {len(plan)}"
+            )
+        return GrammarMatcher(matcher, GrammarBudget(search, plan, max_tokens))
+
+    def min_tokens(self, spec: StructuredOutput) -> int | None:
+        """Tokens in the shortest output of ``spec`` the search finds (None: none found)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer, self.compile(spec))
+        plan = self._search_for(spec.key()).shortest(matcher)
+        return None if plan is None else len(plan)
+
+    def _search_for(self, key: str) -> CompletionSearch:
+        with self._lock:
+            if self._vocab is None:
+                tok = self._tokenizer
+                token_bytes = [tok.decode_bytes([i]) for i in range(self.vocab_size)]
+                special = {i for i in range(self.vocab_size) if tok.is_special_token(i)}
+                self._vocab = CompletionVocab(token_bytes, special, self._eos)
+            search = self._searches.get(key)
+            if search is None:
+                search = self._searches[key] = CompletionSearch(self._vocab)
+            return search
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """(num_rows, ceil(V / 32)) int32 on the CPU, every token allowed until filled."""

@@ -180,9 +180,10 @@ class ChatContext:
         put back at its end. The stored content is that raw text, markup included, because that
         is what the model wrote: a structured ``tool_calls`` field would make the template
         print markup the model never saw. Then come the template's closing tokens the model did
-        not write: when the turn ended on an end-of-turn id (``finish_reason`` "stop") the
-        output already holds their start (SmolLM2: ``<|im_end|>``, so only ``\\n`` is added);
-        otherwise (a length stop, a stop string, an abort with no output) all of them are.
+        not write: when the turn ended on an end-of-turn id (``finish_reason`` "stop", or a
+        grammar's budget that ended it there) the output already holds their start (SmolLM2:
+        ``<|im_end|>``, so only ``\\n`` is added); otherwise (a length stop, a stop string, an
+        abort with no output) all of them are.
         """
         self._require(_Phase.GENERATING, "commit_output")
         content = text if tool_calls_text is None else text + tool_calls_text
@@ -190,7 +191,7 @@ class ChatContext:
         template_text, closing = self._assistant_text(message)
         closing_ids = self._tokenizer.encode(closing)
         ended_turn = bool(output_ids) and output_ids[-1] in self._tokenizer.eos_token_ids
-        if finish_reason == "stop" and ended_turn:
+        if finish_reason in ("stop", "length") and ended_turn:
             closing_ids = closing_ids[_overlap(output_ids, closing_ids) :]
         self._messages.append(message)
         self._token_ids.extend(output_ids)

@@ -126,8 +126,10 @@ class AssistantMessage(BaseModel):
     """A model answer: plain text (tool-call markup removed) and the calls it made.
 
     A turn with ``response_format`` sets ``parsed`` to the validated answer (the pydantic
-    model's instance, or a dict for a JSON schema), or ``parse_error`` when the reply was cut
-    short (``finish_reason == "length"``) or failed a check the grammar could not express.
+    model's instance, or a dict for a JSON schema), or ``parse_error`` when the reply did not
+    end as the grammar does (a stop string) or failed a check the grammar could not express.
+    On a constrained turn (``tool_choice``, ``response_format``) ``finish_reason == "length"``
+    means the token budget closed the reply early: it is complete and parses, but cut short.
     """
 
     role: Literal["assistant"] = "assistant"

@@ -173,13 +173,18 @@ class ToolCallStreamFilter:
     from ``take_calls`` as soon as their block closes; ``finish`` flushes the held-back text and
     turns an unterminated block into a malformed call. The shown text and the calls equal what
     ``ToolCallParser.parse`` returns for the whole output, however it was split.
+
+    A ``</tool_call>`` inside a JSON string of the block (a patch that edits this very markup:
+    valid JSON, and what a grammar allows) does not close it; if the output ends with the block
+    still open, it is split at the first ``</tool_call>`` after all, as markup with an
+    unterminated string always was.
     """
 
     def __init__(self, parser: ToolCallParser | None = None) -> None:
         self.parser = parser or ToolCallParser()
         self._pending = ""  # held-back text: a possible start of OPEN, or an open block so far
         self._in_block = False
-        self._search_from = 0  # where CLOSE may start in an open block, so pushes stay linear
+        self._scan = _JsonScan()  # where CLOSE may start in an open block, so pushes stay linear
         self._calls: list[ToolCall] = []
         self._num_taken = 0
         self._finished = False
@@ -201,6 +206,15 @@ class ToolCallStreamFilter:
         tail, self._pending = self._pending, ""
         if not self._in_block:
             return tail, list(self._calls)
+        end = tail.find(CLOSE)
+        if end >= 0:  # every CLOSE sat in a string that never ended: the first one closes
+            end += len(CLOSE)
+            self._calls += self.parser.parse_block(tail[:end])
+            rest = ToolCallStreamFilter(self.parser)
+            shown = rest.push(tail[end:])
+            more, calls = rest.finish()
+            self._calls += calls
+            return shown + more, list(self._calls)
         error = f"unterminated {OPEN} block: the output ended before {CLOSE}"
         self._calls.append(self.parser.malformed(tail, error))
         return "", list(self._calls)
@@ -214,9 +228,8 @@ class ToolCallStreamFilter:
     def _advance(self, shown: list[str]) -> bool:
         """Consume what the pending text decides; False when it needs more text."""
         if self._in_block:
-            end = self._pending.find(CLOSE, self._search_from)
+            end = self._scan.find_close(self._pending)
             if end < 0:
-                self._search_from = max(len(OPEN), len(self._pending) - len(CLOSE) + 1)
                 return False
             end += len(CLOSE)
             self._calls += self.parser.parse_block(self._pending[:end])
@@ -230,8 +243,44 @@ class ToolCallStreamFilter:
             return False
         shown.append(self._pending[:start])
         self._pending, self._in_block = self._pending[start:], True
-        self._search_from = len(OPEN)
+        self._scan = _JsonScan(len(OPEN))
         return True
+
+
+class _JsonScan:
+    """Where an open block's text has been scanned to, and whether that point is inside a JSON
+    string (double quotes, backslash escapes)."""
+
+    __slots__ = ("escaped", "in_string", "position")
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+        self.in_string = False
+        self.escaped = False
+
+    def find_close(self, text: str) -> int:
+        """Index of the first CLOSE outside a string, or -1 (scanning resumes where it ended,
+        short of a possible CLOSE still arriving)."""
+        k = self.position
+        while k < len(text):
+            ch = text[k]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch == "<" and text.startswith(CLOSE, k):
+                self.position = k
+                return k
+            elif ch == "<" and CLOSE.startswith(text[k:]):
+                break  # may be a CLOSE still arriving
+            k += 1
+        self.position = k
+        return -1
 
 
 def _partial_open_size(text: str) -> int:

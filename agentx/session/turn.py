@@ -133,7 +133,7 @@ class Turn:
             ttft_s=(t_first - self._t_submit) if t_first is not None else None,
             output_tokens_per_s=(gen.usage.output_tokens - 1) / decode_s if decode_s > 0 else None,
         )
-        parsed, parse_error = self._validate(plain, gen.finish_reason)
+        parsed, parse_error = self._validate(plain, gen.finish_reason, gen.stop_reason)
         message = AssistantMessage(
             content=plain,
             tool_calls=calls,
@@ -147,12 +147,15 @@ class Turn:
         )
         return TurnDone(message=message, usage=usage)
 
-    def _validate(self, text: str, finish_reason: str | None) -> tuple[object, str | None]:
-        """``(parsed, parse_error)`` of a JSON answer; ``(None, None)`` without one."""
+    def _validate(
+        self, text: str, finish_reason: str | None, stop_reason: object
+    ) -> tuple[object, str | None]:
+        """``(parsed, parse_error)`` of a JSON answer; ``(None, None)`` without one. An answer
+        the budget closed early (stop reason ``grammar_budget``) is complete: it is parsed."""
         validate = self._constraint.validate if self._constraint is not None else None
         if validate is None:
             return None, None
-        if finish_reason != "stop":
+        if finish_reason != "stop" and stop_reason != "grammar_budget":
             return None, f"the answer is incomplete (finish_reason {finish_reason!r})"
         try:
             return validate(text), None

@@ -294,7 +294,7 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if token_id is None or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a chunk that did not reach the end, or a request aborted meanwhile
-            request.append_output_token(token_id)
+            token_id = request.append_output_token(token_id)  # a grammar's budget may swap it
             self.num_generated_tokens += 1
             if request.check_stop(self.max_model_len):
                 self.running.remove(request)

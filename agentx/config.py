@@ -152,10 +152,13 @@ class EngineConfig:
     # otherwise a path to a .gguf file or a Hugging Face folder.
     model: str | os.PathLike | None = None
     dtype: str = "float32"
-    # How linear weights are kept (engine/models/quant.py): "auto" keeps a GGUF checkpoint's
-    # own Q4_1 / Q8_0 matrices quantized (int4 / int8 kernels, int8 activations) and floats as
-    # floats; "int8" / "int4" quantize float weights too; "none" computes everything in ``dtype``.
-    quantization: str = "auto"
+    # How linear weights are kept (engine/models/quant.py): "none" (the default) computes in
+    # ``dtype``; "auto" keeps a GGUF checkpoint's own Q4_1 / Q8_0 matrices quantized (int4 /
+    # int8 kernels, int8 activations) and floats as floats; "int8" / "int4" quantize float
+    # weights too. The quantized modes are the fast ones, but their greedy output may change
+    # when a prefix's KV was computed by decode steps rather than by a prefill (a prefix hit
+    # on a previous turn's output, held KV): docs/BENCHMARKS.md.
+    quantization: str = "none"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length
     num_threads: int | None = None  # torch intra-op threads on CPU; None: every core

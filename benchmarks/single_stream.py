@@ -12,7 +12,9 @@ With ``--sweep`` every engine is first measured at each thread count x OpenMP wa
 engine's best setting; the sweep is printed with the results. Peers need their venvs
 (``benchmarks/peers/setup_*.sh``).
 
-    python benchmarks/single_stream.py --engines agentx,llamacpp,vllm --sweep
+    python benchmarks/single_stream.py --engines agentx,agentx-auto,llamacpp,vllm --sweep
+
+``agentx`` is the default configuration (fp32), ``agentx-auto`` the quantized mode.
 """
 
 # ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
@@ -75,7 +77,12 @@ def _decode_rate(times: list[float]) -> float:
     return (len(times) - 2) / (times[-1] - times[1])
 
 
+# agentx in its quantized mode, through its own worker
+ALIASES = {"agentx-auto": f"agentx={sys.executable} -m agentx.bench.worker --quantization auto"}
+
+
 async def _probe(spec: str, settings: EngineSettings, omp_wait: str, full: bool) -> dict:
+    spec = ALIASES.get(spec, spec)
     name = spec.split("=", 1)[0]
     command = spec if "=" in spec else None
     adapter = make_engine(command or name, settings)()
@@ -164,7 +171,7 @@ def render(record: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", default="agentx,llamacpp,vllm")
+    parser.add_argument("--engines", default="agentx,agentx-auto,llamacpp,vllm")
     parser.add_argument("--model", default=None, help="agentx's model (default: the embedded)")
     parser.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[2])
     parser.add_argument(

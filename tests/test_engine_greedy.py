@@ -1,7 +1,7 @@
 """Greedy output stays identical under batching, prefix-cache hits, chunked prefill, the
 prefill share while decoding and preemption, on the real default model, in both weight modes:
-``quantization="none"`` (fp32, which must also equal the transformers reference) and the
-default ``"auto"`` (the GGUF's own Q4_1 / Q8_0 weights through the int4 / int8 kernels; its
+``quantization="none"`` (the default: fp32, which must also equal the transformers reference)
+and ``"auto"`` (the GGUF's own Q4_1 / Q8_0 weights through the int4 / int8 kernels; its
 reference is each prompt run alone)."""
 
 import pytest

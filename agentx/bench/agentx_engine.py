@@ -26,6 +26,7 @@ class AgentxOptions:
     model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
     threads: int | None = None
     dtype: str = "float32"
+    quantization: str = "none"
     kv_cache_bytes: int = 2 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -38,6 +39,7 @@ class AgentxOptions:
             offload=self.offload or OffloadConfig(),
             model=self.model,
             dtype=self.dtype,
+            quantization=self.quantization,
             num_threads=self.threads,
             cache=CacheConfig(kv_cache_bytes=self.kv_cache_bytes),
             scheduler=SchedulerConfig(
@@ -51,6 +53,7 @@ class AgentxOptions:
             "model": self.model or "default (SmolLM2-135M-Instruct)",
             "threads": self.threads or os.cpu_count(),
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "kv_cache_bytes": self.kv_cache_bytes,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,

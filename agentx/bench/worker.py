@@ -1,6 +1,7 @@
 """The agentx side of the worker protocol (:mod:`agentx.bench.protocol`)::
 
-    python -m agentx.bench.worker --model PATH --threads N [--dtype D] [--kv-cache-gib G]
+    python -m agentx.bench.worker --model PATH --threads N [--dtype D] [--quantization Q]
+        [--kv-cache-gib G]
 
 Loads the engine, says ``ready``, then serves ``generate`` lines concurrently (the engine batches
 them) until ``shutdown`` or end of input. Protocol lines are the only thing written to stdout:
@@ -29,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default="none", choices=("none", "auto", "int8", "int4"))
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         model=model,
         threads=args.threads,
         dtype=args.dtype,
+        quantization=args.quantization,
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,0 +1,62 @@
+"""Start-up as a new user meets it: ``import agentx``, ``Engine()``, ready, first turn, memory.
+
+Each measurement runs in a fresh Python process. With a new ``AGENTX_CACHE_DIR`` the first
+process reads the GGUF file (and writes the engine's cached checkpoint); the next ones start from
+the cache, as every later run on a machine does. Prints one Markdown row per process.
+
+    python benchmarks/startup_bench.py [--runs 3] [--quantization none|auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+import agentx
+t1 = time.perf_counter()
+from agentx import CacheConfig, Engine, EngineConfig, SamplingParams
+engine = Engine(EngineConfig(quantization=sys.argv[1]))
+t2 = time.perf_counter()
+engine.wait_ready()
+t3 = time.perf_counter()
+tok = engine.tokenizer
+prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi."}]))
+engine.generate([prompt], SamplingParams(max_tokens=1))
+t4 = time.perf_counter()
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1, "ready_s": t3 - t1,
+                  "first_turn_s": t4 - t3, "max_rss_mib": rss}))
+engine.close()
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quantization", default="none")
+    args = parser.parse_args()
+    env = dict(os.environ, AGENTX_CACHE_DIR=tempfile.mkdtemp(prefix="agentx-startup-"))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    print(f"quantization={args.quantization}, cache {env['AGENTX_CACHE_DIR']}")
+    print("| process | import agentx s | Engine() s | ready s | first turn (chat, 1 token) s "
+          "| max RSS MiB |\n|---|---|---|---|---|---|")  # fmt: skip
+    for run in range(args.runs):
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, args.quantization],
+            env=env, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        label = "first (reads the GGUF)" if run == 0 else f"later ({run})"
+        print(f"| {label} | {r['import_s']:.2f} | {r['engine_s']:.2f} | {r['ready_s']:.2f} "
+              f"| {r['first_turn_s']:.2f} | {r['max_rss_mib']:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

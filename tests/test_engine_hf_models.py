@@ -65,3 +65,32 @@ def test_hf_folder_greedy_matches_transformers(
         gens = engine.generate(PROMPTS, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
         assert [g.token_ids for g in gens] == expected
         engine.check_integrity()
+
+
+@pytest.mark.parametrize("mode,bits", [("int8", 8), ("int4", 4)])
+def test_float_checkpoint_quantized_on_request(tmp_path, default_engine, mode, bits):
+    """A float checkpoint with ``quantization="int8" | "int4"``: every linear layer is packed,
+    and greedy output with chunked prefill and batching equals each prompt run alone."""
+    from agentx.engine.models.layers import QuantizableLinear
+
+    torch.manual_seed(0)
+    hf_config = tiny_hf_config(transformers.LlamaConfig, initializer_range=0.5)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    save_hf_folder(tmp_path, model, default_engine.tokenizer)
+    config = EngineConfig(
+        model=tmp_path,
+        quantization=mode,
+        cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(long_prefill_token_threshold=8),
+    )
+    greedy = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
+    with Engine(config) as engine:
+        linears = [
+            m for m in engine.core.runner.model.modules() if isinstance(m, QuantizableLinear)
+        ]
+        assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the head
+        assert all(m.bits == bits and not hasattr(m, "weight") for m in linears)
+        alone = [engine.generate([p], greedy)[0].token_ids for p in PROMPTS]
+        batched = engine.generate(PROMPTS, greedy)
+        assert [g.token_ids for g in batched] == alone
+        engine.check_integrity()

@@ -10,6 +10,8 @@ The C++ library is built and loaded on the first call of one of its ops (or by
 
 from __future__ import annotations
 
+import torch
+
 from agentx import env
 from agentx.errors import ConfigError
 from agentx.kernels import cpu as _cpu
@@ -39,12 +41,21 @@ def prepare() -> bool:
     return cpu_kernels_enabled()
 
 
-def quantized_linear(x, qweight, scale, mins, bias, bits):  # noqa: ANN001, ANN201 (ref's)
+def quantized_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor,
+    bias: torch.Tensor | None,
+    bits: int,
+) -> torch.Tensor:
+    """See ``ref/quant.py``: the compiled kernel when enabled, else the reference."""
     backend = _cpu if cpu_kernels_enabled() else _ref_quant
     return backend.quantized_linear(x, qweight, scale, mins, bias, bits)
 
 
-def paged_attention(q, kv_cache, *args, **kwargs):  # noqa: ANN001, ANN201, ANN002, ANN003
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """See ``ref/attention.py``; head sizes the C++ decode kernel has go to it."""
     use_cpu = (
         q.device.type == "cpu" and kv_cache.shape[-1] in (64, 128, 256) and cpu_kernels_enabled()
     )

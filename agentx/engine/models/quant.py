@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QuantizedTensor"]
+from agentx.kernels.ref.quant import GROUP, dequantize_weight, quantize_weight
 
-GROUP = 32
+__all__ = ["QuantizedTensor"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +43,7 @@ class QuantizedTensor:
         return self.q.shape
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.q.shape
-        groups = self.q.float().reshape(n, k // GROUP, GROUP)  # (N, G, 32)
-        w = groups * self.scale.unsqueeze(-1) + self.mins.unsqueeze(-1)
-        return w.reshape(n, k).to(dtype)
+        return dequantize_weight(self.q, self.scale, self.mins).to(dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
         """Rows (dim 0), or whole groups of columns (dim 1)."""
@@ -77,6 +74,4 @@ class QuantizedTensor:
 
     @staticmethod
     def from_float(w: torch.Tensor, bits: int) -> QuantizedTensor:
-        from agentx.kernels.ref.quant import quantize_weight
-
         return QuantizedTensor(*quantize_weight(w, bits), bits)

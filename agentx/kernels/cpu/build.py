@@ -49,6 +49,8 @@ def _build_dir() -> Path:
 
 def load(verbose: bool = False) -> bool:
     """Build (first time) and load the library; True when ``torch.ops.agentx`` has the ops."""
+    if "ok" in _state:  # every linear and attention call asks: answer without the lock
+        return _state["ok"]
     with _lock:
         if "ok" not in _state:
             _state["ok"] = _cpu_supported() and _build_and_load(verbose)

@@ -6,7 +6,9 @@ float weights are dequantized), so the first load writes the :class:`Checkpoint`
 ``<cache>/checkpoints/<key>.pt``; later processes memory-map it and skip the GGUF reader. The key
 covers the file (resolved path, size, modification time), the load options and ``FORMAT``, so a
 changed file or a new format never reads a stale entry. Writes go to a temporary name and are
-renamed into place; an unreadable entry is deleted and rebuilt.
+renamed into place; an unreadable entry is deleted and rebuilt. Entries are pickles (the spec and
+tokenizer are Python objects), so the cache folder must be as trusted as the code: it is the
+user's own ``AGENTX_CACHE_DIR``, written only by agentx.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ class EngineConfig:
     # weights too. The quantized modes are the fast ones, but their greedy output may change
     # when a prefix's KV was computed by decode steps rather than by a prefill (a prefix hit
     # on a previous turn's output, held KV): docs/BENCHMARKS.md.
-    quantization: str = "none"
+    quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length
     num_threads: int | None = None  # torch intra-op threads on CPU; None: every core

@@ -1,7 +1,7 @@
 """Device ops behind one dispatch.
 
 ``ref`` (PyTorch, runs on CPU, ground truth), ``cpu`` (compiled C++ for AVX2 CPUs: quantized
-linear layers and paged decode attention) and, later, ``triton`` (GPU) export the same functions
+linear layers, in-place paged attention and a fused decoder layer) and, later, ``triton`` (GPU) export the same functions
 with the same signatures. ``AGENTX_KERNELS=auto|ref|cpu|triton`` picks the backend, read once at
 import; ``auto`` uses ``cpu`` for the ops it has when it builds and loads here, else ``ref``.
 The C++ library is built and loaded on the first call of one of its ops (or by
@@ -54,16 +54,31 @@ def quantized_linear(
     return backend.quantized_linear(x, qweight, scale, mins, bias, bits)
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """See ``ref/attention.py``; head sizes the C++ decode kernel has go to it."""
-    use_cpu = (
-        q.device.type == "cpu" and kv_cache.shape[-1] in (64, 128, 256) and cpu_kernels_enabled()
+def cpu_attention_fits(kv_cache: torch.Tensor) -> bool:
+    """Whether the compiled paged attention takes this cache (device, head size, block size)."""
+    return (
+        kv_cache.device.type == "cpu"
+        and kv_cache.shape[-1] in (64, 128, 256)
+        and kv_cache.shape[2] <= 256
+        and kv_cache.dtype in (torch.float32, torch.bfloat16)
+        and cpu_kernels_enabled()
     )
-    backend = _cpu if use_cpu else _ref
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """See ``ref/attention.py``; caches the compiled kernel takes go to it."""
+    backend = _cpu if cpu_attention_fits(kv_cache) else _ref
     return backend.paged_attention(q, kv_cache, *args, **kwargs)
 
 
+def fused_decoder_layer(*args, **kwargs) -> torch.Tensor:
+    """A whole pre-norm SwiGLU layer over quantized weights (compiled CPU kernels only:
+    callers check :func:`cpu_kernels_enabled`); see ``cpu/csrc/decoder_layer.cpp``."""
+    return _cpu.fused_decoder_layer(*args, **kwargs)
+
+
 pack_quantized_weight = _ref_quant.pack_weight
+token_layout = _cpu.token_layout
 apply_rotary = _ref.apply_rotary
 causal_conv1d = _ref.causal_conv1d
 conv_window = _ref.conv_window
@@ -82,7 +97,9 @@ __all__ = [
     "apply_rotary",
     "causal_conv1d",
     "conv_window",
+    "cpu_attention_fits",
     "cpu_kernels_enabled",
+    "fused_decoder_layer",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",
@@ -94,6 +111,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_gated",
     "silu_and_mul",
+    "token_layout",
     "topk_softmax",
     "write_kv",
 ]

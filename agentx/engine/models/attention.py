@@ -48,4 +48,6 @@ class PagedAttention(nn.Module):
             meta.prefill_ids,
             self.scale,
             sliding_window=self.sliding_window,
+            token_req=meta.token_req,
+            token_len=meta.token_len,
         )

@@ -22,6 +22,7 @@ from torch import nn
 
 from agentx import kernels
 from agentx.engine.models.attention import PagedAttention
+from agentx.engine.models.forward_context import get_forward_context
 from agentx.engine.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.parallel import ParallelState
@@ -176,7 +177,10 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """A pre-norm block: x + mixer(input_layernorm(x)), then + mlp(post_attention_layernorm(x)).
 
-    The token mixer keeps its checkpoint name (``self_attn``, ``linear_attn``).
+    The token mixer keeps its checkpoint name (``self_attn``, ``linear_attn``). Once weights
+    are final, :meth:`fuse` lets the plainest shape (attention without q/k norm or gate, full
+    RoPE, a SwiGLU MLP, plain norms, every projection quantized, one rank, fp32) run as one
+    compiled op, prefill and decode alike, so a token's numbers never depend on which path ran.
     """
 
     def __init__(
@@ -195,8 +199,70 @@ class DecoderLayer(nn.Module):
         self.add_module(mixer_name, mixer)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, norm_weight)
         self.mlp = mlp
+        self._fused: tuple[list[torch.Tensor], list[int]] | None = None
+
+    def fuse(self, kv_cache_dtype: torch.dtype) -> bool:
+        """Use the fused layer op from now on when this layer's shape allows it."""
+        attn, mlp = getattr(self, self.mixer_name), self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if not (
+            isinstance(attn, Attention)
+            and isinstance(mlp, GatedMLP)
+            and mlp.act_and_mul is kernels.silu_and_mul
+            and attn.q_norm is None
+            and not attn.output_gate
+            and attn.rotary_dim == attn.head_dim
+            and attn.attn.head_dim in (64, 128, 256)
+            and all(n.weight_kind is NormWeight.PLAIN for n in norms)
+            and all(n.weight.dtype == torch.float32 for n in norms)
+            and kv_cache_dtype in (torch.float32, torch.bfloat16)
+        ):
+            return False
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.bits == 0 or lin.bias is not None for lin in linears):
+            return False
+        if any(lin.parallel.tp_size != 1 for lin in linears):
+            return False
+        if not kernels.cpu_kernels_enabled():
+            return False
+        weights = [self.input_layernorm.weight]
+        for lin in linears[:2]:
+            weights += [lin.qweight, lin.qscale, lin.qmin]
+        weights.append(self.post_attention_layernorm.weight)
+        for lin in linears[2:]:
+            weights += [lin.qweight, lin.qscale, lin.qmin]
+        self._fused = ([w.data for w in weights], [lin.bits for lin in linears])
+        return True
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return self._forward_fused(positions, x)
         mixer = getattr(self, self.mixer_name)
         x = x + mixer(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _forward_fused(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        attn = getattr(self, self.mixer_name)
+        paged = attn.attn
+        ctx = get_forward_context()
+        meta = ctx.attn_for(paged.layer_id)
+        weights, bits = self._fused
+        token_req, token_len = meta.token_req, meta.token_len
+        if token_req is None or token_len is None:
+            token_req, token_len = kernels.token_layout(meta.query_start_loc, meta.seq_lens)
+        return kernels.fused_decoder_layer(
+            x,
+            positions,
+            attn.rotary.cos_sin_cache,
+            weights,
+            bits,
+            ctx.kv_caches[paged.layer_id],
+            meta.slot_mapping,
+            meta.block_tables,
+            token_req,
+            token_len,
+            paged.num_heads,
+            self.input_layernorm.eps,
+            paged.scale,
+            paged.sliding_window,
+        )

@@ -30,6 +30,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int64, padded with the null block
     decode_ids: torch.Tensor  # indices of requests with one new token, batched together
     prefill_ids: list[int]  # the other requests, attended one by one
+    # per token: its request's index and how many keys it sees (its position + 1); built once
+    # a step for the kernels that read every row in place
+    token_req: torch.Tensor | None = None  # (T,) int64
+    token_len: torch.Tensor | None = None  # (T,) int64
 
     @property
     def num_reqs(self) -> int:

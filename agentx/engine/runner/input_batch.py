@@ -94,7 +94,10 @@ class InputBatch:
         row_t = torch.tensor(rows, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
         query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(rows))]
-        token_rows = torch.repeat_interleave(row_t, torch.tensor(query_lens))  # (T,)
+        query_lens_t = torch.tensor(query_lens)
+        token_rows = torch.repeat_interleave(row_t, query_lens_t)  # (T,)
+        token_req = torch.repeat_interleave(torch.arange(len(rows)), query_lens_t)  # (T,)
+        token_len = pos_t + 1
         decode_ids = torch.tensor([i for i, n in enumerate(query_lens) if n == 1], dtype=torch.long)
         prefill_ids = [i for i, n in enumerate(query_lens) if n != 1]
         max_blocks = -(-max(seq_lens) // self.block_size)
@@ -115,6 +118,8 @@ class InputBatch:
                     block_tables=table[row_t, :max_blocks],
                     decode_ids=decode_ids,
                     prefill_ids=prefill_ids,
+                    token_req=token_req,
+                    token_len=token_len,
                 )
             )
             linear.append(None)

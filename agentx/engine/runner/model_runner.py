@@ -12,6 +12,7 @@ import torch
 from agentx import kernels
 from agentx.config import EngineConfig
 from agentx.engine.kv_cache import BlockCopy, LinearStateSpec
+from agentx.engine.models.blocks import DecoderLayer
 from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.layers import QuantizableLinear
 from agentx.engine.models.registry import get_model_class
@@ -43,7 +44,7 @@ class ModelRunner:
         with torch.device(self.device):
             model = get_model_class(spec.architecture)(spec, parallel, self.dtype)
         model.load_weights(weights)
-        finalize_weights(model, config.quantization)
+        finalize_weights(model, config.quantization, self.dtype)
         self.model = model.eval()
         layer_specs = get_layer_specs(
             spec, self.model, config.cache.block_size, self.dtype, parallel.tp_size
@@ -127,12 +128,16 @@ class ModelRunner:
         return ModelRunnerOutput({it.request_id: t for it, t in zip(items, token_ids, strict=True)})
 
 
-def finalize_weights(model: torch.nn.Module, mode: str) -> None:
-    """Fix how every linear layer keeps its weight (quantized or float; ``models/quant.py``)."""
+def finalize_weights(model: torch.nn.Module, mode: str, kv_dtype: torch.dtype) -> None:
+    """Fix how every linear layer keeps its weight (quantized or float; ``models/quant.py``),
+    then let each decoder layer whose shape allows it run as one fused op."""
     kernels_ready = kernels.prepare()
     for module in model.modules():
         if isinstance(module, QuantizableLinear):
             module.finalize_weights(mode, kernels_ready)
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            module.fuse(kv_dtype)
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

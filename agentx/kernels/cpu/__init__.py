@@ -1,4 +1,5 @@
-"""Compiled CPU kernels (C++, AVX2): quantized linear layers and paged decode attention.
+"""Compiled CPU kernels (C++, AVX2): quantized linear layers, paged attention read in place
+(decode and prefill rows alike) and a fused decoder layer.
 
 Same signatures as the reference backend (``kernels/ref``), which is their ground truth; the
 library builds on first use (``build.py``). Callers check :func:`available` first.
@@ -9,9 +10,14 @@ from __future__ import annotations
 import torch
 
 from agentx.kernels.cpu.build import available
-from agentx.kernels.ref import attention as _ref_attention
 
-__all__ = ["available", "paged_attention", "quantized_linear"]
+__all__ = [
+    "available",
+    "fused_decoder_layer",
+    "paged_attention",
+    "quantized_linear",
+    "token_layout",
+]
 
 
 def quantized_linear(
@@ -36,43 +42,61 @@ def paged_attention(
     prefill_ids: list[int],
     scale: float,
     sliding_window: int | None = None,
+    token_req: torch.Tensor | None = None,
+    token_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The reference contract; decode rows read the paged cache in place (C++), prefill rows
-    go through the reference's SDPA path."""
-    if not prefill_ids and len(seq_lens) == q.shape[0]:  # every row decodes, in order
-        return _decode(q, kv_cache, block_tables, torch.tensor(seq_lens), scale, sliding_window)
-    out = torch.empty_like(q)
-    if prefill_ids:
-        no_decodes = torch.empty(0, dtype=torch.long)
-        out = _ref_attention.paged_attention(
-            q,
-            kv_cache,
-            query_start_loc,
-            seq_lens,
-            block_tables,
-            no_decodes,
-            prefill_ids,
-            scale,
-            sliding_window,
-        )
-    if decode_ids.numel():
-        rows = torch.tensor(query_start_loc[:-1], dtype=torch.long)[decode_ids]
-        lens = torch.tensor(seq_lens, dtype=torch.long)[decode_ids]
-        out[rows] = _decode(
-            q[rows], kv_cache, block_tables[decode_ids], lens, scale, sliding_window
-        )
-    return out
+    """The reference contract, every row (decode or prefill) read in place from the paged
+    cache; ``token_req`` / ``token_len`` (see :func:`token_layout`) when the caller has them."""
+    if token_req is None or token_len is None:
+        token_req, token_len = token_layout(query_start_loc, seq_lens)
+    out = torch.ops.agentx.paged_attention_rows(
+        q.float(), kv_cache, block_tables, token_req, token_len, scale, sliding_window or 0
+    )
+    return out.to(q.dtype)
 
 
-def _decode(
-    q: torch.Tensor,
+def token_layout(query_start_loc: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
+    """Per query row: its request's index and how many keys it sees (its position + 1)."""
+    query_lens = torch.tensor(query_start_loc[1:]) - torch.tensor(query_start_loc[:-1])
+    token_req = torch.repeat_interleave(torch.arange(len(seq_lens)), query_lens)
+    ends = torch.tensor(seq_lens, dtype=torch.long)
+    # row j of request i (query rows qs..qe-1) sees seq_lens[i] - (qe - 1 - j) keys
+    last_row = torch.tensor(query_start_loc[1:], dtype=torch.long) - 1
+    rows = torch.arange(int(query_start_loc[-1]), dtype=torch.long)
+    token_len = ends[token_req] - (last_row[token_req] - rows)
+    return token_req, token_len
+
+
+def fused_decoder_layer(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    weights: list[torch.Tensor],
+    bits: list[int],
     kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    token_req: torch.Tensor,
+    token_len: torch.Tensor,
+    num_heads: int,
+    eps: float,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    out = torch.ops.agentx.paged_decode_attention(
-        q.float(), kv_cache, block_tables, seq_lens, scale, sliding_window or 0
+    """One pre-norm SwiGLU decoder layer over quantized weights (``csrc/decoder_layer.cpp``)."""
+    return torch.ops.agentx.fused_decoder_layer(
+        x.contiguous(),
+        positions,
+        cos_sin,
+        weights,
+        bits,
+        kv_cache,
+        slot_mapping,
+        block_tables,
+        token_req,
+        token_len,
+        num_heads,
+        eps,
+        scale,
+        sliding_window or 0,
     )
-    return out.to(q.dtype)

@@ -22,7 +22,7 @@ from agentx import env
 
 __all__ = ["available", "load"]
 
-_SOURCES = ("qlinear.cpp", "paged_attention.cpp")
+_SOURCES = ("qlinear.cpp", "paged_attention.cpp", "decoder_layer.cpp")
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno")
 _CSRC = Path(__file__).with_name("csrc")
 _log = logging.getLogger(__name__)
@@ -36,8 +36,8 @@ def _cpu_supported() -> bool:
 
 def _build_dir() -> Path:
     digest = hashlib.sha256()
-    for name in _SOURCES:
-        digest.update((_CSRC / name).read_bytes())
+    for path in sorted(_CSRC.iterdir()):  # sources and headers
+        digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(torch.__version__.encode())
     name = digest.hexdigest()[:16]

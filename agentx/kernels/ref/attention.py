@@ -45,8 +45,14 @@ def paged_attention(
     prefill_ids: list[int],
     scale: float,
     sliding_window: int | None = None,
+    token_req: torch.Tensor | None = None,
+    token_len: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of new queries q (T, H, D) over each request's paged context."""
+    """Causal attention of new queries q (T, H, D) over each request's paged context.
+
+    ``token_req`` / ``token_len`` (each row's request and key count) are the row layout a
+    compiled backend may take precomputed; this one derives everything from the lists.
+    """
     out = torch.empty_like(q)
     block_size = kv_cache.shape[2]
     for i in prefill_ids:

@@ -1,11 +1,18 @@
-// Decode attention over the paged KV cache, read in place through the block table.
+// Paged attention over the KV cache, read in place through the block table, for decode and
+// prefill rows alike.
 //
 // KV cache of one layer: (num_blocks, 2, block_size, num_kv_heads, head_dim), float32 or
-// bfloat16. One query token per request, at position seq_len - 1; with a sliding window W it
-// sees keys seq_len - W .. seq_len - 1 only (blocks before that may already be freed and are
-// never read). Query head h reads KV head h / (num_heads / num_kv_heads). Softmax runs online
-// over blocks in float32; a long context is cut into splits of kSplitTokens keys that run as
-// separate tasks (every KV head of one split a task) and merge by their max and denominator.
+// bfloat16. Each query row is one token of one request and sees that request's first `len`
+// keys (itself included: a decode row is the last, a prefill chunk's rows see one more key
+// each); with a sliding window W only keys len - W .. len - 1 (blocks before that may already
+// be freed and are never read). Query head h reads KV head h / (num_heads / num_kv_heads).
+//
+// Every row is computed by the same sequence of float operations whatever the other rows of
+// the call: its keys are cut into splits of kSplitTokens from its first key, each split runs
+// online softmax over block-aligned chunks, and the splits merge by their max and denominator.
+// So a token attends identically when decoded, prefilled in a chunk, or recomputed after a
+// prefix hit. Consecutive rows of one request (a prefill chunk) run as a tile that shares each
+// K/V chunk while it is in L1; that changes which loads happen, not any row's arithmetic.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,6 +24,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
+
 namespace agentx {
 namespace {
 
@@ -24,46 +33,6 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
-// Partial softmax state of one query head over a range of keys: max score, sum of
-// exp(score - max) and the exp-weighted sum of values; partials of one head merge exactly.
-struct Partial {
-  float max;
-  float denom;
-};
-
-template <typename T, int D>
-inline float dot(const float* q, const T* k) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(load8(q + i), load8(k + i), acc);
-  return hsum(acc);
-}
-
-// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one register.
-inline __m256 hsum8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// Scores of 8 consecutive keys (token_stride apart) against q.
-template <typename T, int D>
-inline __m256 dot8(const float* q, const T* k, int64_t token_stride) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-  for (int i = 0; i < D; i += 8) {
-    const __m256 qv = load8(q + i);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k + j * token_stride + i), acc[j]);
-  }
-  return hsum8(acc);
 }
 
 // exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor
@@ -86,169 +55,371 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-// Keys [lo, hi) of one request and KV head, for the `group` query heads that read it.
+
+// Softmax state of one (row, query head) inside a split; acc holds its D unnormalized sums.
+struct State {
+  float* acc;
+  float max;
+  float denom;
+};
+
+// [sum(a[0]), ..., sum(a[3])], each lane ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)).
+inline __m128 hsum4(const __m256* a) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// One key's score with the same arithmetic as a lane of row_scores: the FMA chain over the
+// head, then hsum4's tree.
 template <typename T, int D>
-void attend_range(const float* q, const T* cache, int64_t block_stride, const int64_t* table,
-                  int64_t lo, int64_t hi, int64_t block_size, int64_t token_stride,
-                  int64_t kv_head, int64_t group, float scale, float* acc, Partial* part) {
-  constexpr int kMaxBlock = 256;
-  alignas(32) float score[kMaxBlock + 8];
-  const __m256 scale_v = _mm256_set1_ps(scale);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * D;
-    float* ag = acc + g * D;
-    __m256 av[D / 8];
-    for (int i = 0; i < D / 8; ++i) av[i] = _mm256_setzero_ps();
-    float running_max = -std::numeric_limits<float>::infinity(), denom = 0.f;
-    for (int64_t start = lo; start < hi;) {
-      const int64_t b = start / block_size;
-      const int64_t end = std::min(hi, (b + 1) * block_size);
-      const int64_t count = end - start;
-      const T* kb = cache + table[b] * block_stride + kv_head * D + (start - b * block_size) * token_stride;
-      const T* vb = kb + block_size * token_stride;
-      int64_t t = 0;
-      for (; t + 8 <= count; t += 8) {
-        _mm256_store_ps(score + t, _mm256_mul_ps(dot8<T, D>(qg, kb + t * token_stride, token_stride), scale_v));
-      }
-      for (; t < count; ++t) score[t] = dot<T, D>(qg, kb + t * token_stride) * scale;
-      float block_max = -std::numeric_limits<float>::infinity();
-      for (t = 0; t < count; ++t) block_max = std::fmax(block_max, score[t]);
-      const float new_max = std::fmax(running_max, block_max);
-      const float correction = std::exp(running_max - new_max);
-      denom *= correction;
-      const __m256 cv = _mm256_set1_ps(correction);
-      for (int i = 0; i < D / 8; ++i) av[i] = _mm256_mul_ps(av[i], cv);
-      const __m256 max_v = _mm256_set1_ps(new_max);
-      for (t = 0; t < count; t += 8) {
-        _mm256_store_ps(score + t, exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(score + t), max_v)));
-      }
-      for (t = 0; t < count; ++t) {
-        denom += score[t];
-        const __m256 pv = _mm256_set1_ps(score[t]);
-        const T* v = vb + t * token_stride;
-        for (int i = 0; i < D / 8; ++i) av[i] = _mm256_fmadd_ps(pv, load8(v + 8 * i), av[i]);
-      }
-      running_max = new_max;
-      start = end;
+inline float dot1(const float* q, const T* k) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(load8(q + i), load8(k + i), acc);
+  alignas(32) float a[8];
+  _mm256_store_ps(a, acc);
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+inline float hmax(__m256 v) {
+  const __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 n = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(n, _mm_shuffle_ps(n, n, 1)));
+}
+
+// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// all-ones in the first n lanes (0 < n < 8)
+inline __m256 tail_mask(int64_t n) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
+}
+
+constexpr int kMaxBlock = 256;
+constexpr int kScoreStride = kMaxBlock + 8;
+
+// Scores of keys [0, count) (kb, token_stride apart) for NH query heads of one row, four keys
+// at a time so each K load serves every head; every score has dot1's arithmetic.
+template <typename T, int D, int NH>
+inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, float scale,
+                       float* score) {
+  const __m128 scale4 = _mm_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) {
+    __m256 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_setzero_ps();
     }
-    for (int i = 0; i < D / 8; ++i) _mm256_storeu_ps(ag + 8 * i, av[i]);
-    part[g] = {running_max, denom};
+    const T* k = kb + t * ts;
+    for (int i = 0; i < D; i += 8) {
+      const __m256 k0 = load8(k + i), k1 = load8(k + ts + i);
+      const __m256 k2 = load8(k + 2 * ts + i), k3 = load8(k + 3 * ts + i);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 qv = _mm256_loadu_ps(q + h * D + i);
+        acc[h][0] = _mm256_fmadd_ps(qv, k0, acc[h][0]);
+        acc[h][1] = _mm256_fmadd_ps(qv, k1, acc[h][1]);
+        acc[h][2] = _mm256_fmadd_ps(qv, k2, acc[h][2]);
+        acc[h][3] = _mm256_fmadd_ps(qv, k3, acc[h][3]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) _mm_storeu_ps(score + h * kScoreStride + t, _mm_mul_ps(hsum4(acc[h]), scale4));
+  }
+  for (; t < count; ++t) {
+    for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = dot1<T, D>(q + h * D, kb + t * ts) * scale;
+  }
+}
+
+// acc[h] = acc[h] * correction[h] + sum_t p[h][t] v[t] for NH heads of one row, a slice of 32
+// dims at a time so each V load serves every head; per element the FMA chain runs t = 0, 1, ...
+template <typename T, int D, int NH>
+inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
+                       const float* correction, State* const* st) {
+  for (int s = 0; s < D; s += 32) {
+    __m256 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      const __m256 c = _mm256_set1_ps(correction[h]);
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(st[h]->acc + s + 8 * j), c);
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const T* v = vb + t * ts + s;
+      const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 p = _mm256_set1_ps(prob[h * kScoreStride + t]);
+        acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
+        acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
+        acc[h][2] = _mm256_fmadd_ps(p, v2, acc[h][2]);
+        acc[h][3] = _mm256_fmadd_ps(p, v3, acc[h][3]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(st[h]->acc + s + 8 * j, acc[h][j]);
+    }
+  }
+}
+
+// Keys [start, start + count) of one chunk for NH heads of one row: online softmax update.
+template <typename T, int D, int NH>
+inline void fold_chunk(const float* q, const T* kb, const T* vb, int64_t count, int64_t ts,
+                       float scale, float* score, State* const* st) {
+  row_scores<T, D, NH>(q, kb, count, ts, scale, score);
+  float correction[NH];
+  for (int h = 0; h < NH; ++h) {
+    float* sc = score + h * kScoreStride;
+    // the max is exact in any order; the sum of exps runs in eight lanes, then hsum's tree
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 8 <= count; t += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(sc + t));
+    float block_max = hmax(vmax);
+    for (; t < count; ++t) block_max = sc[t] > block_max ? sc[t] : block_max;
+    const float new_max = block_max > st[h]->max ? block_max : st[h]->max;
+    correction[h] = std::exp(st[h]->max - new_max);
+    const __m256 max_v = _mm256_set1_ps(new_max);
+    __m256 sum = _mm256_setzero_ps();
+    for (t = 0; t < count; t += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(sc + t), max_v));
+      _mm256_store_ps(sc + t, e);
+      sum = _mm256_add_ps(sum, count - t >= 8 ? e : _mm256_and_ps(e, tail_mask(count - t)));
+    }
+    st[h]->denom = st[h]->denom * correction[h] + hsum(sum);
+    st[h]->max = new_max;
+  }
+  row_values<T, D, NH>(score, vb, count, ts, correction, st);
+}
+
+template <typename T, int D>
+inline void fold_heads(const float* q, const T* kb, const T* vb, int64_t count, int64_t ts,
+                       float scale, float* score, State* st, int64_t group) {
+  State* ptrs[3];
+  for (int64_t g = 0; g < group; g += 3) {
+    const int64_t nh = std::min<int64_t>(3, group - g);
+    for (int64_t h = 0; h < nh; ++h) ptrs[h] = st + g + h;
+    const float* qg = q + g * D;
+    if (nh == 3) {
+      fold_chunk<T, D, 3>(qg, kb, vb, count, ts, scale, score, ptrs);
+    } else if (nh == 2) {
+      fold_chunk<T, D, 2>(qg, kb, vb, count, ts, scale, score, ptrs);
+    } else {
+      fold_chunk<T, D, 1>(qg, kb, vb, count, ts, scale, score, ptrs);
+    }
+  }
+}
+
+// Bring one block's K and V rows of one KV head towards L1 (blocks sit at random addresses,
+// so the hardware prefetcher cannot guess the next one).
+template <typename T, int D>
+inline void prefetch_block(const T* kb, int64_t block_size, int64_t ts) {
+  constexpr int kLine = 64 / sizeof(T);
+  for (int64_t t = 0; t < block_size; ++t) {
+    for (int i = 0; i < D; i += kLine) {
+      _mm_prefetch(reinterpret_cast<const char*>(kb + t * ts + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(kb + (block_size + t) * ts + i), _MM_HINT_T0);
+    }
+  }
+}
+
+// Keys [lo, ends[tile_rows - 1]) of one KV head for a tile of rows (ends[r]: row r's last key
+// + 1, nondecreasing) and the `group` query heads reading that KV head, block by block, so
+// each block's K/V comes from memory once for the whole tile.
+template <typename T, int D>
+void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t block_stride,
+                 const int64_t* table, int64_t lo, const int64_t* ends, int64_t tile_rows,
+                 int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t group,
+                 float scale, State* states) {
+  alignas(32) float score[3 * kScoreStride];
+  const int64_t hi = ends[tile_rows - 1];
+  const int64_t head_offset = kv_head * D;
+  for (int64_t start = lo; start < hi;) {
+    const int64_t b = start / block_size;
+    const int64_t end = std::min(hi, (b + 1) * block_size);
+    if (end < hi) prefetch_block<T, D>(cache + table[b + 1] * block_stride + head_offset, block_size, token_stride);
+    const T* kb = cache + table[b] * block_stride + head_offset + (start - b * block_size) * token_stride;
+    const T* vb = kb + block_size * token_stride;
+    for (int64_t r = 0; r < tile_rows; ++r) {
+      const int64_t count = std::min(end, ends[r]) - start;
+      if (count <= 0) continue;
+      fold_heads<T, D>(q + r * q_row_stride, kb, vb, count, token_stride, scale, score,
+                       states + r * group, group);
+    }
+    start = end;
   }
 }
 
 template <typename T>
-using RangeFn = void (*)(const float*, const T*, int64_t, const int64_t*, int64_t, int64_t,
-                         int64_t, int64_t, int64_t, int64_t, float, float*, Partial*);
+using TileFn = void (*)(const float*, int64_t, const T*, int64_t, const int64_t*, int64_t,
+                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, State*);
 
 template <typename T>
-RangeFn<T> range_fn(int64_t head_dim) {
+TileFn<T> tile_fn(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return &attend_range<T, 64>;
-    case 128: return &attend_range<T, 128>;
-    case 256: return &attend_range<T, 256>;
+    case 64: return &attend_tile<T, 64>;
+    case 128: return &attend_tile<T, 128>;
+    case 256: return &attend_tile<T, 256>;
     default: return nullptr;
   }
 }
 
 // Keys a split: long contexts are cut so that a few requests still keep every thread busy.
 constexpr int64_t kSplitTokens = 512;
+// Rows a tile: consecutive tokens of one request that share each K/V chunk.
+constexpr int64_t kTileRows = 8;
 
 template <typename T>
-void run_decode(const float* qp, const T* cache, int64_t block_stride, const int64_t* tp,
-                int64_t stride_table, const int64_t* lp, int64_t batch, int64_t heads,
-                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
-                float scale, float* op) {
-  const RangeFn<T> fn = range_fn<T>(head_dim);
-  TORCH_CHECK(fn != nullptr, "paged decode attention: head_dim must be 64, 128 or 256");
+void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_t* tables,
+              int64_t table_stride, const int64_t* token_req, const int64_t* token_len,
+              int64_t rows, int64_t heads, int64_t num_kv_heads, int64_t head_dim,
+              int64_t block_size, int64_t window, float scale, float* out) {
+  const TileFn<T> fn = tile_fn<T>(head_dim);
+  TORCH_CHECK(fn != nullptr, "paged attention: head_dim must be 64, 128 or 256");
   const int64_t group = heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
-  // (request, split) work items; each runs every KV head of its split
-  std::vector<int64_t> item_req, item_lo, item_hi, first_item(batch + 1, 0);
-  for (int64_t i = 0; i < batch; ++i) {
-    const int64_t first = window > 0 ? std::max<int64_t>(0, lp[i] - window) : 0;
-    for (int64_t lo = first; lo < lp[i]; lo += kSplitTokens) {
-      item_req.push_back(i);
-      item_lo.push_back(lo);
-      item_hi.push_back(std::min(lp[i], lo + kSplitTokens));
+  // Tiles of rows, then (tile, split) items. Rows of a tile share their splits' bounds:
+  // only without a window, where every row's splits start at key 0.
+  std::vector<int64_t> tile_first, item_tile, item_lo, item_hi;
+  std::vector<int64_t> row_first_item(rows), row_items(rows), row_slot(rows);
+  for (int64_t r = 0; r < rows;) {
+    int64_t n = 1;
+    if (window <= 0) {
+      while (n < kTileRows && r + n < rows && token_req[r + n] == token_req[r] &&
+             token_len[r + n] == token_len[r + n - 1] + 1) {
+        ++n;
+      }
     }
-    first_item[i + 1] = static_cast<int64_t>(item_req.size());
+    const int64_t tile = static_cast<int64_t>(tile_first.size());
+    tile_first.push_back(r);
+    const int64_t last_len = token_len[r + n - 1];
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, last_len - window) : 0;
+    const int64_t first_item = static_cast<int64_t>(item_tile.size());
+    for (int64_t lo = first_key; lo < last_len; lo += kSplitTokens) {
+      item_tile.push_back(tile);
+      item_lo.push_back(lo);
+      item_hi.push_back(std::min(last_len, lo + kSplitTokens));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      row_first_item[r + i] = first_item;
+      row_items[r + i] = (token_len[r + i] - first_key + kSplitTokens - 1) / kSplitTokens;
+      row_slot[r + i] = i;
+    }
+    r += n;
   }
-  const int64_t items = static_cast<int64_t>(item_req.size());
-  std::vector<float> acc(items * heads * head_dim);
-  std::vector<Partial> parts(items * heads);
+  tile_first.push_back(rows);
+  const int64_t items = static_cast<int64_t>(item_tile.size());
+  // each item keeps a state for every row of its tile and every head
+  std::vector<int64_t> item_state(items + 1, 0);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t t = item_tile[it];
+    item_state[it + 1] = item_state[it] + (tile_first[t + 1] - tile_first[t]) * heads;
+  }
+  std::vector<float> acc(item_state[items] * head_dim, 0.f);
+  std::vector<State> states(item_state[items]);
+  for (int64_t s = 0; s < item_state[items]; ++s) {
+    states[s] = {acc.data() + s * head_dim, -std::numeric_limits<float>::infinity(), 0.f};
+  }
   at::parallel_for(0, items * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> ends(kTileRows);
+    std::vector<State> local(kTileRows * heads);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t item = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t i = item_req[item], head0 = h * group;
-      fn(qp + (i * heads + head0) * head_dim, cache, block_stride, tp + i * stride_table,
-         item_lo[item], item_hi[item], block_size, token_stride, h, group, scale,
-         acc.data() + (item * heads + head0) * head_dim, parts.data() + item * heads + head0);
+      const int64_t it = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t r0 = tile_first[item_tile[it]], n = tile_first[item_tile[it] + 1] - r0;
+      for (int64_t i = 0; i < n; ++i) ends[i] = std::min(token_len[r0 + i], item_hi[it]);
+      // this task's states: rows x its group of heads, laid out row-major for attend_tile
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t g = 0; g < group; ++g) local[i * group + g] = states[item_state[it] + i * heads + h * group + g];
+      }
+      fn(q + (r0 * heads + h * group) * head_dim, heads * head_dim, cache, block_stride,
+         tables + token_req[r0] * table_stride, item_lo[it], ends.data(), n, block_size,
+         token_stride, h, group, scale, local.data());
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t g = 0; g < group; ++g) states[item_state[it] + i * heads + h * group + g] = local[i * group + g];
+      }
     }
   });
-  // merge the splits of each request and head: rescale each to the common max
-  for (int64_t i = 0; i < batch; ++i) {
-    for (int64_t hq = 0; hq < heads; ++hq) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t it = first_item[i]; it < first_item[i + 1]; ++it) {
-        m = std::fmax(m, parts[it * heads + hq].max);
+  // merge each row's splits, in order: rescale each to the common max
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t f = row_first_item[r], count = row_items[r], slot = row_slot[r];
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t it = f; it < f + count; ++it) {
+          m = std::fmax(m, states[item_state[it] + slot * heads + hq].max);
+        }
+        float* o = out + (r * heads + hq) * head_dim;
+        std::fill(o, o + head_dim, 0.f);
+        float denom = 0.f;
+        for (int64_t it = f; it < f + count; ++it) {
+          const State& p = states[item_state[it] + slot * heads + hq];
+          const float w = std::exp(p.max - m);
+          denom += p.denom * w;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += p.acc[d] * w;
+        }
+        const float inv = 1.f / denom;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
       }
-      float* out = op + (i * heads + hq) * head_dim;
-      std::fill(out, out + head_dim, 0.f);
-      float denom = 0.f;
-      for (int64_t it = first_item[i]; it < first_item[i + 1]; ++it) {
-        const Partial& p = parts[it * heads + hq];
-        const float w = std::exp(p.max - m);
-        denom += p.denom * w;
-        const float* a = acc.data() + (it * heads + hq) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) out[d] += a[d] * w;
-      }
-      const float inv = 1.f / denom;
-      for (int64_t d = 0; d < head_dim; ++d) out[d] *= inv;
     }
-  }
+  });
 }
 
-// q (B, H, D) float32; block_tables (B, max_blocks) int64; seq_lens (B,) int64 -> (B, H, D)
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "q must be (B, H, D) float32");
+void check_cache(const at::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.stride(4) == 1 &&
                   kv_cache.stride(3) == kv_cache.size(4) &&
                   kv_cache.stride(2) == kv_cache.size(3) * kv_cache.size(4) &&
                   kv_cache.stride(1) == kv_cache.size(2) * kv_cache.stride(2),
               "kv_cache: each block's (2, block_size, num_kv_heads, head_dim) must be dense");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
-              "block_tables and seq_lens must be int64");
   TORCH_CHECK(kv_cache.size(2) <= 256, "block_size must be <= 256");
-  const at::Tensor qc = q.contiguous();
-  const at::Tensor tables = block_tables.contiguous();
-  const at::Tensor lens = seq_lens.contiguous();
-  const int64_t batch = qc.size(0), heads = qc.size(1), head_dim = qc.size(2);
-  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == head_dim, "head_dim mismatch");
-  TORCH_CHECK(heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
+              "KV cache must be fp32 or bf16");
+}
+
+// q (T, H, D) float32; block_tables (B, max_blocks), token_req (T,), token_len (T,) int64
+at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& kv_cache,
+                                const at::Tensor& block_tables, const at::Tensor& token_req,
+                                const at::Tensor& token_len, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 3, "q must be (T, H, D) float32");
+  check_cache(kv_cache);
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && token_req.scalar_type() == at::kLong &&
+                  token_len.scalar_type() == at::kLong,
+              "block_tables, token_req and token_len must be int64");
+  TORCH_CHECK(token_req.numel() == q.size(0) && token_len.numel() == q.size(0),
+              "token_req and token_len need one entry per query row");
+  TORCH_CHECK(kv_cache.size(4) == q.size(2), "head_dim mismatch");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of num_kv_heads");
+  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous();
+  const at::Tensor req = token_req.contiguous(), len = token_len.contiguous();
   at::Tensor out = at::empty_like(qc);
-  const float fscale = static_cast<float>(scale);
-  if (kv_cache.scalar_type() == at::kBFloat16) {
-    run_decode(qc.data_ptr<float>(), kv_cache.data_ptr<at::BFloat16>(), kv_cache.stride(0),
-               tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), batch,
-               heads, num_kv_heads, head_dim, block_size, window, fscale, out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "KV cache must be fp32 or bf16");
-    run_decode(qc.data_ptr<float>(), kv_cache.data_ptr<float>(), kv_cache.stride(0),
-               tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), batch,
-               heads, num_kv_heads, head_dim, block_size, window, fscale, out.data_ptr<float>());
-  }
+  paged_attention_rows_into(qc.data_ptr<float>(), kv_cache, tables.data_ptr<int64_t>(),
+                            tables.size(1), req.data_ptr<int64_t>(), len.data_ptr<int64_t>(),
+                            qc.size(0), qc.size(1), static_cast<float>(scale), window,
+                            out.data_ptr<float>());
   return out;
 }
 
 }  // namespace
 
+void paged_attention_rows_into(const float* q, const at::Tensor& kv_cache, const int64_t* tables,
+                               int64_t table_stride, const int64_t* token_req,
+                               const int64_t* token_len, int64_t rows, int64_t heads,
+                               float scale, int64_t window, float* out) {
+  check_cache(kv_cache);
+  if (rows == 0) return;
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t head_dim = kv_cache.size(4);
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    run_rows(q, kv_cache.data_ptr<at::BFloat16>(), kv_cache.stride(0), tables, table_stride,
+             token_req, token_len, rows, heads, num_kv_heads, head_dim, block_size, window, scale,
+             out);
+  } else {
+    run_rows(q, kv_cache.data_ptr<float>(), kv_cache.stride(0), tables, table_stride, token_req,
+             token_len, rows, heads, num_kv_heads, head_dim, block_size, window, scale, out);
+  }
+}
+
 TORCH_LIBRARY_FRAGMENT(agentx, lib) {
   lib.def(
-      "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, int window) -> Tensor");
-  lib.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+      "paged_attention_rows(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor token_req, "
+      "Tensor token_len, float scale, int window) -> Tensor");
+  lib.impl("paged_attention_rows", c10::DispatchKey::CPU, &paged_attention_rows);
 }
 
 }  // namespace agentx

@@ -21,6 +21,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
 
 namespace agentx {
 namespace {
@@ -138,33 +142,34 @@ void run_tile(bool int4, const uint8_t* w, const float* scale, const float* mins
 
 constexpr int kRows = 4;
 
-// x (M, K) float32 -> (M, N) float32.
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight,
-                            const at::Tensor& scale, const at::Tensor& mins,
-                            const c10::optional<at::Tensor>& bias, int64_t bits) {
+void check_weight(const at::Tensor& qweight, const at::Tensor& scale, const at::Tensor& mins,
+                  int64_t k, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (M, K) float32");
-  const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1);
-  const int64_t tiles = qweight.size(0), n = tiles * kTile;
   TORCH_CHECK(k % kGroup == 0 && scale.size(1) * kGroup == k, "in_features mismatch");
-  at::Tensor y = at::empty({m, n}, xc.options());
-  if (m == 0) return y;
-  at::Tensor xq = at::empty({m, k}, xc.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({m, k / kGroup}, xc.options());
-  at::Tensor sx = at::empty({m, k / kGroup}, xc.options());
-  quantize_rows(xc.data_ptr<float>(), m, k, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
-                sx.data_ptr<float>());
+  TORCH_CHECK(qweight.is_contiguous() && scale.is_contiguous() &&
+                  (bits == 8 || mins.is_contiguous()),
+              "packed weights must be contiguous");
+}
+
+}  // namespace
+
+void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& qweight,
+                           const at::Tensor& scale, const at::Tensor& mins, int64_t bits,
+                           float* y, int64_t ldy) {
+  check_weight(qweight, scale, mins, k, bits);
+  if (m == 0) return;
+  const int64_t tiles = qweight.size(0), groups = k / kGroup;
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> dx(m * groups), sx(m * groups);
+  quantize_rows(x, m, k, xq.data(), dx.data(), sx.data());
   const bool int4 = bits == 4;
   const int64_t tile_bytes = int4 ? k * kTile / 2 : k * kTile;
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const float* sp = scale.data_ptr<float>();
   const float* mp = int4 ? mins.data_ptr<float>() : nullptr;
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* dxp = dx.data_ptr<float>();
-  const float* sxp = sx.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = k / kGroup;
+  const int8_t* xqp = xq.data();
+  const float* dxp = dx.data();
+  const float* sxp = sx.data();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     float buf[kRows][kTile];
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
@@ -184,11 +189,26 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight,
           default: run_tile<1>(int4, w, s, mn, xr, dr, sr, k, out); break;
         }
         for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(yp + (r0 + r) * n + t * kTile, buf[r], sizeof(float) * kTile);
+          std::memcpy(y + (r0 + r) * ldy + t * kTile, buf[r], sizeof(float) * kTile);
         }
       }
     }
   });
+}
+
+namespace {
+
+// x (M, K) float32 -> (M, N) float32.
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scale, const at::Tensor& mins,
+                            const c10::optional<at::Tensor>& bias, int64_t bits) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (M, K) float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = qweight.size(0) * kTile;
+  check_weight(qweight, scale, mins, k, bits);
+  at::Tensor y = at::empty({m, n}, xc.options());
+  quantized_linear_into(xc.data_ptr<float>(), m, k, qweight, scale, mins, bits,
+                        y.data_ptr<float>(), n);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }

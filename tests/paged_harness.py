@@ -36,8 +36,8 @@ class Harness:
         self.linear_layers = [
             i for i in range(spec.num_layers) if spec.get_layer_type(i) == "linear_attention"
         ]
-        shapes = model.get_linear_state_shapes()
-        dtype = model.linear_state_dtype
+        shapes = model.get_linear_state_shapes() if self.linear_layers else ()
+        dtype = model.linear_state_dtype if self.linear_layers else None
         self.kv_caches = []
         for i in range(spec.num_layers):
             if i in self.linear_layers:

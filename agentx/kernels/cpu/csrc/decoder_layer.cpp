@@ -124,6 +124,13 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   const int64_t qkv_width = qkv.out(), inter = gate_up.out() / 2;
   TORCH_CHECK(qkv_width == q_width + 2 * kv_width, "qkv_proj width mismatch");
   TORCH_CHECK(o_proj.out() == hidden && down.out() == hidden, "output width mismatch");
+  TORCH_CHECK(positions.numel() == rows && slot_mapping.numel() == rows,
+              "positions and slot_mapping need one entry per row");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_sin.size(0), "position ", pos[r],
+                " is outside the RoPE table of ", cos_sin.size(0), " positions");
+  }
   at::Tensor out = x.clone();
   if (rows == 0) return out;
   float* xo = out.data_ptr<float>();
@@ -135,7 +142,6 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   rms_norm_rows(xo, weights[0].data_ptr<float>(), rows, hidden, feps, h.data());
   quantized_linear_into(h.data(), rows, hidden, qkv.w, qkv.scale, qkv.mins, qkv.bits,
                         buf.data(), qkv_width);
-  const int64_t* pos = positions.data_ptr<int64_t>();
   rope_rows(buf.data(), qkv_width, rows, num_heads + num_kv_heads, head_dim,
             cos_sin.data_ptr<float>(), pos);
   if (kv_cache.scalar_type() == at::kBFloat16) {

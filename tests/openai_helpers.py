@@ -1,0 +1,61 @@
+"""Shared by the agentx.openai tests: a tool, a schema, and waiting for the engine loop."""
+
+import time
+
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+PERSON_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "person",
+        "schema": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        },
+    },
+}
+
+GREEDY = {"model": "agentx", "temperature": 0}
+
+CHAT_QUESTIONS = [
+    "Name a color.",
+    "Another one.",
+    "Name an animal.",
+    "Name a fruit.",
+    "Name a city.",
+    "Name a number.",
+    "Name a tool.",
+    "Name a planet.",
+    "Name a song.",
+    "Name a river.",
+    "Name a sport.",
+    "Name a tree.",
+]
+
+
+def wait_idle(engine, timeout=20.0):
+    """Wait until the loop thread has run the aborts and releases queued so far."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and not engine._controls:
+            return stats
+        time.sleep(0.02)
+    raise AssertionError("engine did not go idle")
+
+
+def reply_message(completion, index=0):
+    """The assistant message as a caller appends it to its history."""
+    return completion.choices[index].message.model_dump(exclude_none=True)

@@ -46,11 +46,12 @@ CHAT_QUESTIONS = [
 
 
 def wait_idle(engine, timeout=20.0):
-    """Wait until the loop thread has run the aborts and releases queued so far."""
+    """Wait until the loop thread has ended every request and run the releases queued."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and not engine._controls:
+        live = engine.get_num_live_requests()
+        if stats.num_running == stats.num_waiting == live == 0 and not engine._controls:
             return stats
         time.sleep(0.02)
     raise AssertionError("engine did not go idle")

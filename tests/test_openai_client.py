@@ -224,3 +224,17 @@ def test_sync_client(engine):
         assert text == reply.choices[0].message.content == direct(engine, USER, 12)[1].text
         assert [m.id for m in client.models.list()] == ["agentx"]
     assert wait_idle(engine).kv_num_held == 0
+
+
+async def test_tools_with_a_response_format_reply_calls_or_the_answer(client):
+    ask = [{"role": "user", "content": "What is 17 plus 25?"}]
+    both = {"tools": [ADD_TOOL], "response_format": PERSON_FORMAT, "max_tokens": 40, **GREEDY}
+    reply = await client.chat.completions.create(messages=ask, **both)
+    # calls that parse or an answer that does, never free text; greedy picks the call here
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
+    assert json.loads(message.tool_calls[0].function.arguments) == {"a": 17, "b": 25}
+    answer = await client.chat.completions.create(messages=ask, tool_choice="none", **both)
+    assert set(json.loads(answer.choices[0].message.content)) == {"name", "age"}
+    forced = await client.chat.completions.create(messages=ask, tool_choice="required", **both)
+    assert forced.choices[0].message.tool_calls[0].function.name == "add"

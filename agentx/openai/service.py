@@ -39,7 +39,11 @@ from agentx.openai.responses import (
     make_usage,
     make_usage_chunk,
 )
-from agentx.session.constraints import make_turn_constraint
+from agentx.session.constraints import (
+    TurnConstraint,
+    calls_or_answer_constraint,
+    make_turn_constraint,
+)
 from agentx.session.context import ChatContext
 from agentx.session.default import get_default_engine
 from agentx.session.tool_calls import ToolCallParser
@@ -218,10 +222,7 @@ class ChatService:
             context_left = engine.max_model_len - num_prompt_tokens
             max_tokens = max(1, min(self.default_max_tokens, context_left))
         sampling = replace(request.sampling, max_tokens=max_tokens)
-        tool_choice = request.tool_choice
-        if tool_choice is None and request.tools and request.response_format is None:
-            tool_choice = "auto"  # OpenAI's default with tools: text or calls, calls that parse
-        constraint = make_turn_constraint(list(request.tools), tool_choice, request.response_format)
+        constraint = _constraint(request)
         if constraint is None:
             return sampling, bool(request.tools)
         return constraint.sampling_for(sampling, None), constraint.parse_tool_calls
@@ -255,6 +256,20 @@ class ChatService:
         completion_tokens = sum(r.generation.usage.output_tokens for r in results)
         cached = results[0].generation.usage.cached_tokens if results else 0
         return make_usage(len(call.prompt), cached, completion_tokens)
+
+
+def _constraint(request: ChatRequest) -> TurnConstraint | None:
+    """The grammar of a request. With tools, ``tool_choice`` defaults to ``"auto"`` (OpenAI's
+    default: text or calls, calls that parse); with a ``response_format`` too, ``"auto"`` is
+    calls or the JSON answer, ``"none"`` the answer only, a forced call the call only."""
+    tools, choice, answer = list(request.tools), request.tool_choice, request.response_format
+    if not tools or answer is None:
+        return make_turn_constraint(tools, "auto" if tools and choice is None else choice, answer)
+    if choice in (None, "auto"):
+        return calls_or_answer_constraint(tools, answer)
+    if choice == "none":
+        return make_turn_constraint([], None, answer)
+    return make_turn_constraint(tools, choice, None)
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -29,6 +29,9 @@ PERSON_FORMAT = {
 
 GREEDY = {"model": "agentx", "temperature": 0}
 
+# a request that runs to its max_tokens (greedy): a test that aborts it sees it still running
+LONG = [{"role": "user", "content": "Write a very long story about a dragon and a knight."}]
+
 CHAT_QUESTIONS = [
     "Name a color.",
     "Another one.",

@@ -13,6 +13,7 @@ from openai_helpers import (
     ADD_TOOL,
     CHAT_QUESTIONS,
     GREEDY,
+    LONG,
     PERSON_FORMAT,
     reply_message,
     wait_idle,
@@ -192,14 +193,19 @@ async def test_errors_are_openais_exceptions(client):
 
 
 async def test_closing_a_stream_early_aborts_the_request(engine, client):
-    stream = await client.chat.completions.create(
-        messages=USER, max_tokens=200, stream=True, **GREEDY
-    )
-    async for _ in stream:
-        break
-    await stream.close()
-    stats = wait_idle(engine)
-    assert stats.num_running == 0 and engine.get_num_live_requests() == 0
+    for chunks_to_read in (2, 0):  # after some chunks, and before the first one
+        stream = await client.chat.completions.create(
+            messages=LONG, max_tokens=300, stream=True, **GREEDY
+        )
+        if chunks_to_read:
+            async for _ in stream:
+                chunks_to_read -= 1
+                if chunks_to_read == 0:
+                    break
+        await stream.close()
+        stats = wait_idle(engine)
+        assert stats.num_running == 0 and engine.get_num_live_requests() == 0
+    assert len(client.service.conversations) == 0  # both aborted, neither finished
 
 
 async def test_lru_eviction_releases_held_kv(engine):

@@ -14,6 +14,7 @@ from openai_helpers import (
     ADD_TOOL,
     CHAT_QUESTIONS,
     GREEDY,
+    LONG,
     PERSON_FORMAT,
     reply_message,
     wait_idle,
@@ -39,6 +40,7 @@ def server(engine):
     service = ChatService(engine)
     app = create_app(service, api_key=API_KEY, max_request_bytes=64 << 10)
     with ServerThread(app) as running:
+        running.app_service = service
         yield running
     assert service.conversations.get_handles() == []  # shutdown released them
     assert wait_idle(engine).kv_num_held == 0
@@ -140,6 +142,19 @@ async def test_errors(server, client):
         assert health.json() == {"status": "ok"}
     models = await client.models.list()
     assert [m.id for m in models.data] == ["agentx"]
+
+
+async def test_a_client_that_disconnects_aborts_its_request(engine, server):
+    body = {"messages": LONG, "max_tokens": 300, "stream": True, **GREEDY}
+    held = len(server.app_service.conversations)
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    async with httpx2.AsyncClient() as http:
+        url = server.base_url + "/chat/completions"
+        async with http.stream("POST", url, json=body, headers=headers) as response:
+            async for _ in response.aiter_bytes():
+                break  # leaving the block closes the connection
+    assert wait_idle(engine).num_running == 0
+    assert len(server.app_service.conversations) == held  # aborted, not finished
 
 
 def test_serve_command_help(capsys):

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentx.openai.errors import error_body, to_api_error
-from agentx.openai.service import ChatService
+from agentx.openai.service import ChatService, ChunkStream
 
-__all__ = ["APIResponse", "handle"]
+__all__ = ["APIResponse", "SSEEvents", "handle"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class APIResponse:
 
     status: int
     body: dict[str, Any] | None = None
-    events: AsyncIterator[bytes] | None = None
+    events: SSEEvents | None = None
 
 
 async def handle(service: ChatService, method: str, path: str, content: bytes) -> APIResponse:
@@ -61,23 +61,41 @@ async def chat_completions(service: ChatService, body: Any) -> APIResponse:
     try:
         if isinstance(body, dict) and body.get("stream"):
             chunks = await service.open_stream(body)
-            return APIResponse(200, events=_sse(chunks))
+            return APIResponse(200, events=SSEEvents(chunks))
         completion = await service.create(body)
     except Exception as exc:
         return _error(_logged(exc))
     return APIResponse(200, completion.model_dump(mode="json", exclude_unset=True))
 
 
-async def _sse(chunks) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in chunks:
-            yield b"data: " + chunk.model_dump_json(exclude_unset=True).encode() + b"\n\n"
-    except Exception as exc:
-        yield b"data: " + json.dumps(_logged(exc).body).encode() + b"\n\n"
-        return
-    finally:
-        await chunks.aclose()  # an early close (a client gone) aborts what still runs
-    yield SSE_DONE
+class SSEEvents:
+    """A stream's chunks as server-sent events. ``aclose()`` (a client gone, at any point)
+    aborts what still runs."""
+
+    def __init__(self, chunks: ChunkStream) -> None:
+        self._chunks = chunks
+        self._events = self._produce()
+
+    def __aiter__(self) -> SSEEvents:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        await self._chunks.aclose()
+
+    async def _produce(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._chunks:
+                yield b"data: " + chunk.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+        except Exception as exc:
+            yield b"data: " + json.dumps(_logged(exc).body).encode() + b"\n\n"
+            return
+        finally:
+            await self._chunks.aclose()
+        yield SSE_DONE
 
 
 def _logged(exc: Exception):

@@ -24,6 +24,7 @@ import threading
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from agentx.openai.api import CHAT_PATH, MODELS_PATH, APIResponse, handle
 from agentx.openai.errors import error_body
@@ -68,8 +69,12 @@ def create_app(
         result = await handle(service, method, path, content)
         if result.events is None:
             return _json(result)
+        # the background close runs after the response, a disconnect included
         return StreamingResponse(
-            result.events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            result.events,
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache"},
+            background=BackgroundTask(result.events.aclose),
         )
 
     @app.post(CHAT_PATH)

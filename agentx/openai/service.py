@@ -48,7 +48,7 @@ from agentx.session.context import ChatContext
 from agentx.session.default import get_default_engine
 from agentx.session.tool_calls import ToolCallParser
 
-__all__ = ["ChatService"]
+__all__ = ["ChatService", "ChunkStream"]
 
 DEFAULT_MODEL_NAME = "agentx"
 
@@ -142,11 +142,11 @@ class ChatService:
             self._end(call)
         return make_completion(call.header, results, self._usage(call, results))
 
-    async def open_stream(self, body: object) -> AsyncIterator[ChatCompletionChunk]:
+    async def open_stream(self, body: object) -> ChunkStream:
         """Validate and submit the request (raising before any chunk is produced), then
-        return its chunks. Closing the iterator early aborts what still runs."""
+        return its chunks. Closing the stream early aborts what still runs."""
         call = await self._start(parse_chat_request(body))
-        return self._chunks(call)
+        return ChunkStream(self._chunks(call), lambda: self._end(call))
 
     async def _chunks(self, call: _Call) -> AsyncIterator[ChatCompletionChunk]:
         header = call.header
@@ -256,6 +256,25 @@ class ChatService:
         completion_tokens = sum(r.generation.usage.output_tokens for r in results)
         cached = results[0].generation.usage.cached_tokens if results else 0
         return make_usage(len(call.prompt), cached, completion_tokens)
+
+
+class ChunkStream:
+    """The chunks of one streamed call. ``aclose()`` ends the call whenever it is called,
+    before the first chunk too (a generator never started would skip its ``finally``)."""
+
+    def __init__(self, chunks: AsyncIterator[ChatCompletionChunk], end) -> None:
+        self._chunks = chunks
+        self._end = end
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> ChatCompletionChunk:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        self._end()
 
 
 def _constraint(request: ChatRequest) -> TurnConstraint | None:

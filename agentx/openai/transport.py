@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx2
 
-from agentx.openai.api import APIResponse, handle
+from agentx.openai.api import APIResponse, SSEEvents, handle
 from agentx.openai.service import ChatService
 
 __all__ = ["AsyncInProcessTransport", "InProcessTransport"]
@@ -34,7 +34,7 @@ def _response(answer: APIResponse, request: httpx2.Request, stream=None) -> http
 
 
 class _AsyncEvents(httpx2.AsyncByteStream):
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: SSEEvents) -> None:
         self._events = events
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
@@ -82,7 +82,7 @@ class _LoopThread:
 
 
 class _SyncEvents(httpx2.SyncByteStream):
-    def __init__(self, events: AsyncIterator[bytes], loop: _LoopThread) -> None:
+    def __init__(self, events: SSEEvents, loop: _LoopThread) -> None:
         self._events, self._loop = events, loop
 
     def __iter__(self) -> Iterator[bytes]:

@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
         ("quickstart.py", ["-> tool call add(", "forked 2 subagents", "total usage"]),
         ("coding_agent.py", ["-> grep(", "agentx/engine/scheduler/scheduler.py"]),
         ("eval_fanout.py", ["subagents forked from", "score:"]),
+        ("pydantic_ai_agent.py", ["-> tool call add(17, 25)", "answer:", "cached"]),
+        ("openai_agents_sdk.py", ["-> tool call add(17, 25)", "answer:", "cached"]),
     ],
 )
 def test_example_runs(script, expected):

@@ -9,8 +9,10 @@ ROOT = Path(agentx.__file__).parent
 
 # package prefix -> packages it must never import
 FORBIDDEN = {
-    "agentx.kernels": ["agentx.engine", "agentx.session", "agentx.bench"],
-    "agentx.engine": ["agentx.session", "agentx.bench"],
+    "agentx.kernels": ["agentx.engine", "agentx.session", "agentx.openai", "agentx.bench"],
+    "agentx.engine": ["agentx.session", "agentx.openai", "agentx.bench"],
+    "agentx.session": ["agentx.openai", "agentx.bench"],
+    "agentx.openai": ["agentx.bench"],
     "agentx.engine.kv_cache": [
         "agentx.engine.scheduler",
         "agentx.engine.runner",

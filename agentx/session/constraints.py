@@ -54,6 +54,7 @@ __all__ = [
     "ResponseFormat",
     "ToolChoice",
     "TurnConstraint",
+    "calls_or_answer_constraint",
     "make_turn_constraint",
     "response_format_grammar",
     "tool_call_grammar",
@@ -170,10 +171,15 @@ def _parse_choice(choice: Any) -> tuple[str, str | None]:
     )
 
 
-def _calls_grammar(tools: list[Tool], allow_text: bool) -> str:
+def _calls_grammar(tools: list[Tool], allow_text: bool, answer: Schema | None = None) -> str:
+    """Calls to ``tools``; with ``allow_text`` or plain text, or with ``answer`` (a compiled
+    JSON schema) or that JSON answer."""
     open_, close = _literal(OPEN + "["), _literal("]" + CLOSE)
     if allow_text:
         lines = ["start: TEXT | block", f"block: {open_} (call {_MORE_CALLS})? {close}"]
+    elif answer is not None:
+        lines = ["start: answer | block", f"block: {open_} call {_MORE_CALLS} {close}"]
+        lines.append(f"answer: %json {json.dumps(answer)}")
     else:
         lines = [f"start: {open_} call {_MORE_CALLS} {close}"]
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
@@ -189,6 +195,20 @@ def _calls_grammar(tools: list[Tool], allow_text: bool) -> str:
 def _literal(text: str) -> str:
     """A Lark string literal (its escapes are JSON's)."""
     return json.dumps(text)
+
+
+def calls_or_answer_constraint(
+    tools: Sequence[Tool], response_format: ResponseFormat
+) -> TurnConstraint:
+    """``tool_choice="auto"`` together with ``response_format`` (what the OpenAI API allows
+    and agent frameworks send for an agent with tools and a typed output): the reply is tool
+    calls or the JSON answer, never free text. Read for tool calls; a JSON answer is left as
+    text (``validate`` is None: a reply that is calls has nothing to validate)."""
+    structured, validate = response_format_grammar(response_format)
+    if not tools:
+        return TurnConstraint(structured, parse_tool_calls=False, validate=validate)
+    grammar = _calls_grammar(list(tools), allow_text=False, answer=structured.json_schema)
+    return TurnConstraint(StructuredOutput(grammar=grammar))
 
 
 # ---- response_format -------------------------------------------------------------------------

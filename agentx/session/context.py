@@ -38,6 +38,7 @@ from typing import Any
 
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import InvalidRequestError
+from agentx.session.tool_calls import render_tools_system_prompt
 
 __all__ = ["ChatContext"]
 
@@ -95,6 +96,17 @@ class ChatContext:
         parts = [text for text in (system, tools_prompt) if text]
         if parts:
             self._messages.append({"role": "system", "content": "\n\n".join(parts)})
+
+    @classmethod
+    def with_tools(
+        cls, tokenizer: Tokenizer, system: str | None, tools: list[dict[str, Any]] | None
+    ) -> ChatContext:
+        """A context whose first message offers ``tools`` (``Tool.to_dict()`` dicts) the way
+        the model expects: a template that renders tools gets them, otherwise (SmolLM2) the
+        system message carries the model's own function-calling prompt after ``system``."""
+        native = bool(tools) and "tools" in (tokenizer.chat_template or "")
+        tools_prompt = render_tools_system_prompt(tools) if tools and not native else None
+        return cls(tokenizer, system, tools_prompt, tools=tools if native else None)
 
     # --- state ------------------------------------------------------------------------------
 

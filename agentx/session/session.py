@@ -45,7 +45,7 @@ from agentx.session.messages import (
     coerce_message,
     to_template_dict,
 )
-from agentx.session.tool_calls import ToolCallParser, render_tools_system_prompt
+from agentx.session.tool_calls import ToolCallParser
 from agentx.session.tool_exec import execute_calls
 from agentx.session.tools import Tool, make_tools
 from agentx.session.turn import Turn
@@ -140,15 +140,8 @@ class Session:
 
     def _ensure_context(self) -> ChatContext:
         if self._context is None:
-            tokenizer = self.engine.tokenizer
             specs = [t.to_dict() for t in self.tools.values()] or None
-            # a template that renders tools gets them; otherwise (SmolLM2) the session writes
-            # the model's own function-calling system prompt
-            native = specs is not None and "tools" in (tokenizer.chat_template or "")
-            tools_prompt = render_tools_system_prompt(specs) if specs and not native else None
-            self._context = ChatContext(
-                tokenizer, self.system, tools_prompt, tools=specs if native else None
-            )
+            self._context = ChatContext.with_tools(self.engine.tokenizer, self.system, specs)
         return self._context
 
     # ---- turns -------------------------------------------------------------------------------

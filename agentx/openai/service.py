@@ -1,0 +1,308 @@
+"""The Chat Completions API on an in-process engine: one request in, ``openai`` types out.
+
+:class:`ChatService` is what the in-process client's transport and ``agentx serve`` both call.
+A call runs like a Session turn: the messages extend a held conversation when they can
+(``conversations.py``), so the prompt is the previous prompt + output + the new messages' ids
+only, and the engine adopts the previous reply's held KV; otherwise they are rendered afresh
+and the prefix cache serves what it can. ``tools`` become the model's own function-calling
+prompt and, with ``tool_choice`` (``"auto"`` when tools are given) or ``response_format``, a
+grammar the engine enforces, so calls parse and JSON answers validate (session/constraints.py).
+``n`` choices start from forks of the same held KV and share the prompt's cached blocks.
+
+It owns one engine (the process-wide default unless given) and the held conversations; it
+does not know HTTP. Engine calls that may wait (loading the default model, forking held KV)
+run in a worker thread; nothing here blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import anyio
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from agentx.engine.client import Engine
+from agentx.engine.request import RequestOptions
+from agentx.engine.sampling import SamplingParams
+from agentx.engine.streams import RequestStream
+from agentx.openai.conversations import ConversationCache, HeldConversation
+from agentx.openai.requests import ChatRequest, assistant_key, parse_chat_request
+from agentx.openai.responses import (
+    ChoiceResult,
+    ChoiceText,
+    CompletionHeader,
+    make_chunk,
+    make_completion,
+    make_usage,
+    make_usage_chunk,
+)
+from agentx.session.constraints import (
+    TurnConstraint,
+    calls_or_answer_constraint,
+    make_turn_constraint,
+)
+from agentx.session.context import ChatContext
+from agentx.session.default import get_default_engine
+from agentx.session.tool_calls import ToolCallParser
+
+__all__ = ["ChatService", "ChunkStream"]
+
+DEFAULT_MODEL_NAME = "agentx"
+
+
+@dataclass(slots=True)
+class _Call:
+    """One call in flight: its prompt, the context its replies extend, one stream per choice."""
+
+    request: ChatRequest
+    header: CompletionHeader
+    context: ChatContext  # generating: each choice forks it to commit its reply
+    prompt: list[int]
+    streams: list[RequestStream]
+    handles: list[str]  # held KV given to the streams (released if a stream never adopts it)
+    parse_tool_calls: bool
+
+
+class ChatService:
+    """Chat completions on ``engine`` (None: the process-wide default, loaded on first use).
+
+    ``max_held_conversations`` bounds the replies whose context and held KV are kept for a
+    caller that sends them back; ``default_max_tokens`` caps a reply when the request sets no
+    ``max_tokens`` (further capped by the context left). ``close()`` releases the held KV and,
+    with ``owns_engine``, closes the engine.
+    """
+
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        *,
+        model_name: str = DEFAULT_MODEL_NAME,
+        max_held_conversations: int = 32,
+        default_max_tokens: int = 1024,
+        owns_engine: bool = False,
+    ) -> None:
+        self._engine = engine
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.owns_engine = owns_engine
+        self._parser = ToolCallParser()
+        self._conversations = ConversationCache(max_held_conversations, self._release)
+        self._closed = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def get_engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = await anyio.to_thread.run_sync(get_default_engine)
+        return self._engine
+
+    @property
+    def conversations(self) -> ConversationCache:
+        return self._conversations
+
+    def close(self) -> None:
+        """Release every held conversation; close the engine if this service owns it.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._conversations.clear()
+        if self.owns_engine and self._engine is not None:
+            self._engine.close()
+
+    def _release(self, handle: str) -> None:
+        if self._engine is not None and not self._engine.closed:
+            self._engine.release_held_soon(handle)
+
+    def list_models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentx"}
+            ],
+        }
+
+    # ---- the API -----------------------------------------------------------------------------
+
+    async def create(self, body: object) -> ChatCompletion:
+        """A whole completion (``stream`` in ``body`` is ignored)."""
+        call = await self._start(parse_chat_request(body))
+        try:
+            results = []
+            for index, stream in enumerate(call.streams):
+                text = ChoiceText(call.parse_tool_calls, self._parser)
+                async for out in stream:
+                    text.push(out.new_text)
+                text.finish()
+                results.append(self._finish_choice(call, index, text))
+        finally:
+            self._end(call)
+        return make_completion(call.header, results, self._usage(call, results))
+
+    async def open_stream(self, body: object) -> ChunkStream:
+        """Validate and submit the request (raising before any chunk is produced), then
+        return its chunks. Closing the stream early aborts what still runs."""
+        call = await self._start(parse_chat_request(body))
+        return ChunkStream(self._chunks(call), lambda: self._end(call))
+
+    async def _chunks(self, call: _Call) -> AsyncIterator[ChatCompletionChunk]:
+        header = call.header
+        try:
+            results = []
+            # choices stream one after the other; the later ones keep running meanwhile
+            for index, stream in enumerate(call.streams):
+                yield make_chunk(header, index, role=True, content="")
+                text = ChoiceText(call.parse_tool_calls, self._parser)
+                async for out in stream:
+                    for chunk in _deltas(header, index, text, *text.push(out.new_text)):
+                        yield chunk
+                for chunk in _deltas(header, index, text, *text.finish()):
+                    yield chunk
+                result = self._finish_choice(call, index, text)
+                results.append(result)
+                yield make_chunk(header, index, finish_reason=result.finish_reason)
+            if call.request.include_usage:
+                yield make_usage_chunk(header, self._usage(call, results))
+        finally:
+            self._end(call)
+
+    # ---- one call ----------------------------------------------------------------------------
+
+    async def _start(self, request: ChatRequest) -> _Call:
+        engine = await self.get_engine()
+        held = self._conversations.take(request.setup_key, request.keys)
+        handles = [held.handle] if held is not None and held.handle is not None else []
+        try:
+            if held is not None:
+                context, new = held.context, request.messages[len(held.keys) :]
+            else:
+                specs = [tool.to_dict() for tool in request.tools] or None
+                context, new = (
+                    ChatContext.with_tools(engine.tokenizer, request.system, specs),
+                    (request.messages),
+                )
+            prompt = context.prompt_for(list(new))
+            sampling, parse_tool_calls = self._sampling(engine, request, len(prompt))
+            if handles and request.n > 1:
+                handles += await anyio.to_thread.run_sync(
+                    engine.fork_held, handles[0], request.n - 1
+                )
+        except BaseException:
+            for handle in handles:
+                self._release(handle)
+            raise
+        header = CompletionHeader(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=request.model or self.model_name,
+        )
+        call = _Call(request, header, context, prompt, [], handles, parse_tool_calls)
+        try:
+            for index in range(request.n):
+                options = RequestOptions(
+                    hold_kv=True, held_kv=handles[index] if index < len(handles) else None
+                )
+                seeded = _choice_sampling(sampling, index)
+                call.streams.append(engine.add_request(prompt, seeded, options=options))
+        except BaseException:
+            self._end(call)
+            raise
+        return call
+
+    def _sampling(
+        self, engine: Engine, request: ChatRequest, num_prompt_tokens: int
+    ) -> tuple[SamplingParams, bool]:
+        """The request's sampling with its real budget and grammar; whether the reply is read
+        for tool calls."""
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            context_left = engine.max_model_len - num_prompt_tokens
+            max_tokens = max(1, min(self.default_max_tokens, context_left))
+        sampling = replace(request.sampling, max_tokens=max_tokens)
+        constraint = _constraint(request)
+        if constraint is None:
+            return sampling, bool(request.tools)
+        return constraint.sampling_for(sampling, None), constraint.parse_tool_calls
+
+    def _finish_choice(self, call: _Call, index: int, text: ChoiceText) -> ChoiceResult:
+        """Fold a finished choice into a held conversation a later call can continue."""
+        stream = call.streams[index]
+        gen = stream.to_generation()
+        result = ChoiceResult(index, text.content, list(text.calls), gen)
+        if not self._closed:
+            context = call.context.fork()
+            context.commit_output(gen.token_ids, gen.text, gen.finish_reason)
+            held = gen.request_id if gen.finish_reason in ("stop", "length") else None
+            keys = (*call.request.keys, assistant_key(result.content, result.calls))
+            self._conversations.put(HeldConversation(call.request.setup_key, keys, context, held))
+        return result
+
+    def _end(self, call: _Call) -> None:
+        """Abort what still runs; release held KV a stream never got to adopt."""
+        engine = self._engine
+        for stream in call.streams:
+            if not stream.finished:
+                engine.abort(stream.request_id)
+        for index, handle in enumerate(call.handles):
+            stream = call.streams[index] if index < len(call.streams) else None
+            if stream is None or not stream.finished or stream.final is None:
+                self._release(handle)  # a no-op when the request did adopt it
+
+    @staticmethod
+    def _usage(call: _Call, results: list[ChoiceResult]):
+        completion_tokens = sum(r.generation.usage.output_tokens for r in results)
+        cached = results[0].generation.usage.cached_tokens if results else 0
+        return make_usage(len(call.prompt), cached, completion_tokens)
+
+
+class ChunkStream:
+    """The chunks of one streamed call. ``aclose()`` ends the call whenever it is called,
+    before the first chunk too (a generator never started would skip its ``finally``)."""
+
+    def __init__(self, chunks: AsyncIterator[ChatCompletionChunk], end) -> None:
+        self._chunks = chunks
+        self._end = end
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> ChatCompletionChunk:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        self._end()
+
+
+def _constraint(request: ChatRequest) -> TurnConstraint | None:
+    """The grammar of a request. With tools, ``tool_choice`` defaults to ``"auto"`` (OpenAI's
+    default: text or calls, calls that parse); with a ``response_format`` too, ``"auto"`` is
+    calls or the JSON answer, ``"none"`` the answer only, a forced call the call only."""
+    tools, choice, answer = list(request.tools), request.tool_choice, request.response_format
+    if not tools or answer is None:
+        return make_turn_constraint(tools, "auto" if tools and choice is None else choice, answer)
+    if choice in (None, "auto"):
+        return calls_or_answer_constraint(tools, answer)
+    if choice == "none":
+        return make_turn_constraint([], None, answer)
+    return make_turn_constraint(tools, choice, None)
+
+
+def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: a given seed is offset so choices differ, reproducibly."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=sampling.seed + index)
+
+
+def _deltas(header, index, text: ChoiceText, shown: str, calls) -> list[ChatCompletionChunk]:
+    chunks = []
+    if shown:
+        chunks.append(make_chunk(header, index, content=shown))
+    first = len(text.calls) - len(calls)
+    for k, call in enumerate(calls, start=first):
+        chunks.append(make_chunk(header, index, calls=[(k, call)]))
+    return chunks

@@ -34,8 +34,18 @@ class CacheConfig:
     # are seen, plus the latest boundary) or "none".
     retention_policy: str = "marconi"
     prefix_cache_retention_interval: int = 0
+    # Element type of K and V in the paged cache: "auto" is bfloat16 when the model's layers
+    # run fused over quantized weights (their attention reads bf16 in place; half the bytes a
+    # decode step streams per cached token, twice the tokens a pool holds) and the model's
+    # dtype otherwise; or "float32" / "bfloat16" explicitly.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(
+                "kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.retention_policy not in ("interval", "marconi", "none"):
             raise ConfigError(
                 f"retention_policy must be 'interval', 'marconi' or 'none', "
@@ -152,12 +162,13 @@ class EngineConfig:
     # otherwise a path to a .gguf file or a Hugging Face folder.
     model: str | os.PathLike | None = None
     dtype: str = "float32"
-    # How linear weights are kept (engine/models/quant.py): "none" (the default) computes in
-    # ``dtype``; "auto" keeps a GGUF checkpoint's own Q4_1 / Q8_0 matrices quantized (int4 /
-    # int8 kernels, int8 activations) and floats as floats; "int8" / "int4" quantize float
-    # weights too. The quantized modes are the fast ones, but their greedy output may change
-    # when a prefix's KV was computed by decode steps rather than by a prefill (a prefix hit
-    # on a previous turn's output, held KV): docs/BENCHMARKS.md.
+    # How linear weights are kept (engine/models/quant.py): "auto" (the default) keeps a GGUF
+    # checkpoint's own Q4_1 / Q8_0 matrices quantized (int4 / int8 kernels with int8
+    # activations; with the compiled CPU kernels, Llama-shaped layers then run as one fused op
+    # each) and float checkpoints as floats; "int8" / "int4" quantize float weights too; "none"
+    # dequantizes everything and computes in ``dtype``. In "auto" a token's logits do not
+    # depend on batching, chunking, prefix hits or held KV (bit for bit); in "none" fp32 GEMMs
+    # may round differently with the batch shape. docs/BENCHMARKS.md has speed and quality.
     quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length

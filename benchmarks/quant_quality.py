@@ -5,7 +5,7 @@ reference, equal to transformers), ``"auto"`` keeps Q4_1 / Q8_0 and runs the int
 kernels with int8 activations. Over teacher-forced texts (every position of each prompt and
 of the fp32 model's 64-token greedy continuation) it reports the max and mean absolute logit
 error, the top-1 agreement, and, for free-running greedy decoding, how many leading tokens of
-each prompt's 64 agree.
+each prompt's 64 agree; for the quantized mode with a float32 and with a bfloat16 KV cache.
 
     python benchmarks/quant_quality.py
 """
@@ -50,9 +50,15 @@ def teacher_forced_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
 
 
 def main() -> None:
-    cache = CacheConfig(kv_cache_bytes=128 << 20)
-    ref = Engine(EngineConfig(quantization="none", cache=cache))
-    quant = Engine(EngineConfig(quantization="auto", cache=cache))
+    ref = Engine(EngineConfig(quantization="none", cache=CacheConfig(kv_cache_bytes=128 << 20)))
+    for kv_dtype in ("float32", "bfloat16"):
+        cache = CacheConfig(kv_cache_bytes=128 << 20, kv_cache_dtype=kv_dtype)
+        with Engine(EngineConfig(quantization="auto", cache=cache)) as quant:
+            compare(ref, quant, f"auto, {kv_dtype} KV")
+    ref.close()
+
+
+def compare(ref: Engine, quant: Engine, label: str) -> None:
     greedy = SamplingParams(max_tokens=64, ignore_eos=True)
     errors, agree, total, leading = [], 0, 0, []
     for text in TEXTS:
@@ -69,11 +75,9 @@ def main() -> None:
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(ids)
     err = torch.cat([e.flatten() for e in errors])
-    print(f"positions {total}: top-1 agreement {agree / total:.1%}, logit error max "
+    print(f"{label}: positions {total}: top-1 agreement {agree / total:.1%}, logit error max "
           f"{err.max():.3f} mean {err.mean():.4f}; greedy leading agreement per prompt "
           f"(of 64): {leading}")  # fmt: skip
-    ref.close()
-    quant.close()
 
 
 if __name__ == "__main__":

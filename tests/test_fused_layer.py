@@ -43,7 +43,7 @@ def _model(bits: int) -> LlamaForCausalLM:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * 0.2)
-    finalize_weights(model, f"int{bits}", torch.float32)
+    finalize_weights(model, f"int{bits}")
     return model.eval()
 
 

@@ -201,8 +201,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self._fused: tuple[list[torch.Tensor], list[int]] | None = None
 
-    def fuse(self, kv_cache_dtype: torch.dtype) -> bool:
-        """Use the fused layer op from now on when this layer's shape allows it."""
+    def fuse(self) -> bool:
+        """Use the fused layer op from now on when this layer's shape allows it (its KV cache
+        may then be float32 or bfloat16)."""
         attn, mlp = getattr(self, self.mixer_name), self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if not (
@@ -215,7 +216,6 @@ class DecoderLayer(nn.Module):
             and attn.attn.head_dim in (64, 128, 256)
             and all(n.weight_kind is NormWeight.PLAIN for n in norms)
             and all(n.weight.dtype == torch.float32 for n in norms)
-            and kv_cache_dtype in (torch.float32, torch.bfloat16)
         ):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)

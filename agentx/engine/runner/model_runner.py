@@ -44,10 +44,11 @@ class ModelRunner:
         with torch.device(self.device):
             model = get_model_class(spec.architecture)(spec, parallel, self.dtype)
         model.load_weights(weights)
-        finalize_weights(model, config.quantization, self.dtype)
+        fused = finalize_weights(model, config.quantization)
         self.model = model.eval()
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype, fused)
         layer_specs = get_layer_specs(
-            spec, self.model, config.cache.block_size, self.dtype, parallel.tp_size
+            spec, self.model, config.cache.block_size, self.kv_dtype, parallel.tp_size
         )
         self.layout = plan_kv_layout(layer_specs, config.cache)
         self.kv_slots, self.kv_caches = allocate_kv_caches(self.layout, self.device)
@@ -128,16 +129,24 @@ class ModelRunner:
         return ModelRunnerOutput({it.request_id: t for it, t in zip(items, token_ids, strict=True)})
 
 
-def finalize_weights(model: torch.nn.Module, mode: str, kv_dtype: torch.dtype) -> None:
+def finalize_weights(model: torch.nn.Module, mode: str) -> bool:
     """Fix how every linear layer keeps its weight (quantized or float; ``models/quant.py``),
-    then let each decoder layer whose shape allows it run as one fused op."""
+    then let each decoder layer whose shape allows it run as one fused op; True when any
+    does."""
     kernels_ready = kernels.prepare()
     for module in model.modules():
         if isinstance(module, QuantizableLinear):
             module.finalize_weights(mode, kernels_ready)
-    for module in model.modules():
-        if isinstance(module, DecoderLayer):
-            module.fuse(kv_dtype)
+    fused = [m.fuse() for m in model.modules() if isinstance(m, DecoderLayer)]
+    return any(fused)
+
+
+def resolve_kv_dtype(config: EngineConfig, model_dtype: torch.dtype, fused: bool) -> torch.dtype:
+    """The paged cache's element type (``CacheConfig.kv_cache_dtype``)."""
+    choice = config.cache.kv_cache_dtype
+    if choice == "auto":
+        return torch.bfloat16 if fused and model_dtype == torch.float32 else model_dtype
+    return DTYPES[choice]
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

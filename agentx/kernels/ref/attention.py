@@ -60,7 +60,7 @@ def paged_attention(
         seq_len = seq_lens[i]
         num_blocks = -(-seq_len // block_size)
         k, v = _gather(kv_cache, block_tables[i, :num_blocks])  # (L', Hkv, D)
-        k, v = k[:seq_len], v[:seq_len]
+        k, v = k[:seq_len].to(q.dtype), v[:seq_len].to(q.dtype)  # a bf16 cache, fp32 queries
         out[start:end] = _prefill_one(q[start:end], k, v, scale, sliding_window)
     if decode_ids.numel():
         out[_decode_rows(query_start_loc, decode_ids)] = _decode_batch(
@@ -111,6 +111,7 @@ def _decode_batch(
     max_len = int(lens.max())
     num_blocks = -(-max_len // block_size)
     k, v = _gather(kv_cache, block_tables[decode_ids, :num_blocks])  # (B, L, Hkv, D)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     num_kv_heads, head_dim = k.shape[-2:]
     qd = q[_decode_rows(query_start_loc, decode_ids)]  # (B, H, D)
     b = qd.shape[0]

@@ -16,7 +16,7 @@ CHAT = [{"role": "user", "content": "What is 2+2? Answer in one short sentence."
 
 @pytest.fixture(scope="session")
 def default_engine():
-    """One fp32 engine on the default model, shared by tests that only read from it."""
+    """One engine on the default model (default config), shared by tests that only read from it."""
     engine = Engine(EngineConfig(cache=CacheConfig(kv_cache_bytes=256 << 20)))
     yield engine
     engine.close()

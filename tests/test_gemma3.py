@@ -101,8 +101,12 @@ def reference(hf_model, hf_tokenizer) -> list[tuple[list[int], list[int]]]:
 
 @pytest.fixture(scope="module")
 def engine(gemma3_path: Path, cache_dir: Path):
+    # fp32 math throughout (quantization "none"): the transformers reference is fp32
     config = EngineConfig(
-        model=gemma3_path, dtype="float32", cache=CacheConfig(kv_cache_bytes=256 << 20)
+        model=gemma3_path,
+        dtype="float32",
+        quantization="none",
+        cache=CacheConfig(kv_cache_bytes=256 << 20),
     )
     with Engine(config) as engine:
         yield engine
@@ -167,7 +171,9 @@ def test_batched_chunked_prefill_matches_transformers(make_engine, cache_dir, re
     # A 100-token budget: the long prompts are prefilled in chunks that straddle blocks and the
     # window's edge, in the same steps as the other prompts' decodes.
     engine = make_engine(
-        model=gemma3_270m_path(), scheduler=SchedulerConfig(max_num_batched_tokens=100)
+        model=gemma3_270m_path(),
+        quantization="none",
+        scheduler=SchedulerConfig(max_num_batched_tokens=100),
     )
     _check(engine.generate(PROMPTS, GREEDY), reference)
     engine.check_integrity()
@@ -185,8 +191,16 @@ def test_layout_is_hybrid(engine: Engine) -> None:
     assert all(g.spec.sliding_window == WINDOW for g in layout.groups if g is not full)
 
 
-def test_ten_turns_and_forks_hit_the_cache_and_match_cold(engine: Engine, make_engine) -> None:
-    cold = make_engine(model=gemma3_270m_path(), cache=CacheConfig(enable_prefix_caching=False))
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_ten_turns_and_forks_hit_the_cache_and_match_cold(make_engine, quantization) -> None:
+    # "auto" keeps the GGUF's Q8_0 matrices quantized (int8 activations): a token's logits
+    # must still not depend on whether its prefix came from the cache
+    engine = make_engine(model=gemma3_270m_path(), quantization=quantization)
+    cold = make_engine(
+        model=gemma3_270m_path(),
+        quantization=quantization,
+        cache=CacheConfig(enable_prefix_caching=False),
+    )
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     tok = engine.tokenizer
     prompt = tok.encode(_code(40))[:600]  # longer than the window: hits need only its tail

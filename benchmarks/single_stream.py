@@ -12,9 +12,10 @@ With ``--sweep`` every engine is first measured at each thread count x OpenMP wa
 engine's best setting; the sweep is printed with the results. Peers need their venvs
 (``benchmarks/peers/setup_*.sh``).
 
-    python benchmarks/single_stream.py --engines agentx,agentx-auto,llamacpp,vllm --sweep
+    python benchmarks/single_stream.py --engines agentx,agentx-fp32,llamacpp,vllm --sweep
 
-``agentx`` is the default configuration (fp32), ``agentx-auto`` the quantized mode.
+``agentx`` is the default configuration (the GGUF's own quantized weights, fused layers),
+``agentx-fp32`` is ``quantization="none"`` (every weight dequantized to fp32).
 """
 
 # ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
@@ -77,8 +78,8 @@ def _decode_rate(times: list[float]) -> float:
     return (len(times) - 2) / (times[-1] - times[1])
 
 
-# agentx in its quantized mode, through its own worker
-ALIASES = {"agentx-auto": f"agentx={sys.executable} -m agentx.bench.worker --quantization auto"}
+# agentx with every weight dequantized to fp32, through its own worker
+ALIASES = {"agentx-fp32": f"agentx={sys.executable} -m agentx.bench.worker --quantization none"}
 
 
 async def _probe(spec: str, settings: EngineSettings, omp_wait: str, full: bool) -> dict:
@@ -171,7 +172,7 @@ def render(record: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", default="agentx,agentx-auto,llamacpp,vllm")
+    parser.add_argument("--engines", default="agentx,agentx-fp32,llamacpp,vllm")
     parser.add_argument("--model", default=None, help="agentx's model (default: the embedded)")
     parser.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[2])
     parser.add_argument(

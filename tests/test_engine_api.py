@@ -6,6 +6,7 @@ import anyio
 import pytest
 
 from agentx import (
+    CacheConfig,
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
@@ -135,7 +136,7 @@ def test_bad_sampling_values_are_rejected(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_bad_prompts_are_rejected_before_scheduling(default_engine):
+def test_bad_prompts_are_rejected_before_scheduling(default_engine, make_engine):
     before = default_engine.stats()
     with pytest.raises(InvalidRequestError, match="empty"):
         default_engine.add_request([])
@@ -147,8 +148,10 @@ def test_bad_prompts_are_rejected_before_scheduling(default_engine):
         default_engine.add_request([1, -5])
     with pytest.raises(PromptTooLongError, match="context"):
         default_engine.add_request([1] * 8192)
+    small = make_engine(cache=CacheConfig(num_blocks=64))  # 63 usable blocks: 1,008 tokens
     with pytest.raises(PromptTooLongError, match="pool"):
-        default_engine.add_request([1] * 100, SamplingParams(max_tokens=8000))
+        small.add_request([1] * 100, SamplingParams(max_tokens=1000))
+    assert small.get_num_live_requests() == 0
     assert default_engine.get_num_live_requests() == 0
     assert default_engine.stats().num_steps == before.num_steps
 

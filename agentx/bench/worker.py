@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quantization", default="none", choices=("none", "auto", "int8", "int4"))
+    p.add_argument("--quantization", default="auto", choices=("none", "auto", "int8", "int4"))
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -58,10 +58,12 @@ def kernel_backend() -> str:
 
 
 def apply_cpu_defaults() -> None:
-    """Default ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy.
+    """Default ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy (``OMP_WAIT_POLICY``,
+    or libgomp's ``GOMP_SPINCOUNT``, a bounded spin before sleeping).
 
     With few cores and a busy machine, OpenMP threads that spin between small matmuls stall the
     engine loop. OpenMP reads the variable when torch loads it, so this only takes effect when
     agentx is imported before torch; ``make`` and the tests export it as well.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "GOMP_SPINCOUNT" not in os.environ:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -47,8 +47,8 @@ SHOWN_LINES = 12  # of a tool result, on screen; the model gets all of it
 
 SYSTEM = "You are a coding assistant. You answer questions about a Python repository."
 QUESTION = "Which file defines the scheduler?"
-# Anchored, with the colon: only the definition matches, not SchedulerConfig nor this line.
-PATTERN = "^class Scheduler:"
+# Anchored at both ends: only the definition matches, not SchedulerConfig nor this line.
+PATTERN = "^class Scheduler:$"
 # A constrained call ends with its block: the grammar allows nothing after </tool_call>.
 CALL_TURN = SamplingParams(max_tokens=64)
 ANSWER_TURN = SamplingParams(max_tokens=64)

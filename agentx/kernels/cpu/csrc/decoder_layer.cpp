@@ -13,6 +13,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -90,6 +92,29 @@ void add_rows(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
+// Opt-in stage timings (benchmarks/step_profile.py): nanoseconds per stage, summed over calls.
+enum Stage { kNorms, kGemms, kRopeWriteKv, kAttention, kElementwise, kStages };
+std::atomic<bool> g_profiling{false};
+std::atomic<int64_t> g_stage_ns[kStages];
+
+struct StageClock {
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+  void lap(Stage stage) {
+    if (!g_profiling.load(std::memory_order_relaxed)) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_stage_ns[stage] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - last).count();
+    last = now;
+  }
+};
+
+// [norms, GEMMs, RoPE + KV write, attention, elementwise] ns since the last read; on: keep timing
+at::Tensor layer_stage_times(bool on) {
+  g_profiling = on;
+  at::Tensor out = at::empty({kStages}, at::TensorOptions().dtype(at::kLong));
+  for (int i = 0; i < kStages; ++i) out.data_ptr<int64_t>()[i] = g_stage_ns[i].exchange(0);
+  return out;
+}
+
 struct Linear {
   const at::Tensor& w;
   const at::Tensor& scale;
@@ -138,10 +163,13 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   std::vector<float> q(rows * q_width), attn(rows * q_width), y(rows * hidden);
   std::vector<float> act(rows * inter);
   const float feps = static_cast<float>(eps);
+  StageClock clock;
   // attention half
   rms_norm_rows(xo, weights[0].data_ptr<float>(), rows, hidden, feps, h.data());
+  clock.lap(kNorms);
   quantized_linear_into(h.data(), rows, hidden, qkv.w, qkv.scale, qkv.mins, qkv.bits,
                         buf.data(), qkv_width);
+  clock.lap(kGemms);
   rope_rows(buf.data(), qkv_width, rows, num_heads + num_kv_heads, head_dim,
             cos_sin.data_ptr<float>(), pos);
   if (kv_cache.scalar_type() == at::kBFloat16) {
@@ -155,21 +183,30 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(q.data() + r * q_width, buf.data() + r * qkv_width, sizeof(float) * q_width);
   }
+  clock.lap(kRopeWriteKv);
   paged_attention_rows_into(q.data(), kv_cache, block_tables.data_ptr<int64_t>(),
                             block_tables.size(1), token_req.data_ptr<int64_t>(),
                             token_len.data_ptr<int64_t>(), rows, num_heads,
                             static_cast<float>(scale), window, attn.data());
+  clock.lap(kAttention);
   quantized_linear_into(attn.data(), rows, q_width, o_proj.w, o_proj.scale, o_proj.mins,
                         o_proj.bits, y.data(), hidden);
+  clock.lap(kGemms);
   add_rows(xo, y.data(), rows * hidden);
+  clock.lap(kElementwise);
   // MLP half
   rms_norm_rows(xo, weights[7].data_ptr<float>(), rows, hidden, feps, h.data());
+  clock.lap(kNorms);
   quantized_linear_into(h.data(), rows, hidden, gate_up.w, gate_up.scale, gate_up.mins,
                         gate_up.bits, buf.data(), 2 * inter);
+  clock.lap(kGemms);
   silu_and_mul_rows(buf.data(), rows, inter, act.data());
+  clock.lap(kElementwise);
   quantized_linear_into(act.data(), rows, inter, down.w, down.scale, down.mins, down.bits,
                         y.data(), hidden);
+  clock.lap(kGemms);
   add_rows(xo, y.data(), rows * hidden);
+  clock.lap(kElementwise);
   return out;
 }
 
@@ -181,6 +218,7 @@ TORCH_LIBRARY_FRAGMENT(agentx, lib) {
       "int[] bits, Tensor kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor token_req, "
       "Tensor token_len, int num_heads, float eps, float scale, int window) -> Tensor");
   lib.impl("fused_decoder_layer", c10::DispatchKey::CPU, &fused_decoder_layer);
+  lib.def("layer_stage_times(bool on) -> Tensor", &layer_stage_times);
 }
 
 }  // namespace agentx

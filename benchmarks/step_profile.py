@@ -1,0 +1,201 @@
+"""Where an engine step's time goes: a decode step of 8 requests at 2K context, and a mixed step
+(those 8 decodes beside a chunk of a new 2K prompt), for a configuration.
+
+Every component is timed inside the engine's own loop (wrappers around the runner's calls;
+the fused layer's stages by its opt-in C++ clock), averaged over the steps of each kind:
+
+    GEMMs        linear layers (the fused layer's projections, or each layer's matmuls)
+    attention    paged attention (+ RoPE and the KV write, which the fused layer does together)
+    other ops    norms, activations, residual adds, embedding, final norm
+    logits       the LM head over the sampling rows
+    sampling     the sampler
+    Python       everything else of `EngineCore.step`: scheduling, batch building, outputs
+
+    python benchmarks/step_profile.py                    # the default configuration
+    python benchmarks/step_profile.py --quantization none   # fp32, unfused (the old path)
+"""
+
+# ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import collections
+import random
+import time
+
+import torch
+
+from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig, kernels
+from agentx.engine import core
+from agentx.engine.models import base, blocks, layers
+from agentx.engine.runner import model_runner
+
+CONTEXT = 2048
+DECODERS = 8
+VOCAB = 49152
+
+
+class Clock:
+    """Seconds per component in the current step, folded into per-kind totals at step end."""
+
+    def __init__(self) -> None:
+        self.step: collections.Counter[str] = collections.Counter()
+        self.kinds: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+        self.steps: collections.Counter[str] = collections.Counter()
+        self.depth = 0
+
+    def wrap(self, owner, name: str, component: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if self.depth:  # a timed call inside a timed call counts once, as the outer
+                return inner(*args, **kwargs)
+            self.depth += 1
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.step[component] += time.perf_counter() - start
+                self.depth -= 1
+
+        setattr(owner, name, timed)
+
+
+def install(clock: Clock, fused_stages: list[torch.Tensor]) -> None:
+    clock.wrap(layers.QuantizableLinear, "_matmul", "GEMMs")
+    for name in ("paged_attention", "write_kv", "apply_rotary"):
+        clock.wrap(kernels, name, "attention")
+    for name in ("rms_norm", "silu_and_mul", "gelu_tanh_and_mul"):
+        clock.wrap(kernels, name, "other ops")
+    clock.wrap(base.CausalLM, "compute_logits", "logits")
+    clock.wrap(model_runner, "sample", "sampling")
+
+    fused = kernels.fused_decoder_layer
+
+    def fused_timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = fused(*args, **kwargs)
+        clock.step["fused layer"] += time.perf_counter() - start
+        fused_stages.append(torch.ops.agentx.layer_stage_times(True))
+        return out
+
+    blocks.kernels = _KernelsWith(fused_timed)
+    step = core.EngineCore.step
+
+    def step_timed(self):
+        clock.step.clear()
+        start = time.perf_counter()
+        scheduled = []
+        schedule = self.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            scheduled.append(out)
+            return out
+
+        self.scheduler.schedule = spy
+        try:
+            return step(self)
+        finally:
+            del self.scheduler.schedule
+            total = time.perf_counter() - start
+            kind = _kind(scheduled)
+            if kind is not None:
+                stages = torch.stack(fused_stages).sum(0).tolist() if fused_stages else None
+                _fold(clock, kind, total, stages)
+            fused_stages.clear()
+
+    core.EngineCore.step = step_timed
+
+
+class _KernelsWith:
+    """``agentx.kernels`` as blocks.py sees it, with the fused layer timed."""
+
+    def __init__(self, fused) -> None:
+        self._fused = fused
+
+    def __getattr__(self, name):
+        if name == "fused_decoder_layer":
+            return self._fused
+        return getattr(kernels, name)
+
+
+def _kind(scheduled) -> str | None:
+    if not scheduled or scheduled[0].is_empty:
+        return None
+    items = scheduled[0].scheduled
+    decodes = sum(1 for it in items if len(it.token_ids) == 1)
+    if decodes == DECODERS and len(items) == DECODERS:
+        return "decode"
+    if decodes == DECODERS and len(items) == DECODERS + 1:
+        return "mixed"
+    return None
+
+
+def _fold(clock: Clock, kind: str, total: float, stages: list[int] | None) -> None:
+    step = clock.step
+    acc = clock.kinds[kind]
+    if stages is not None:  # the fused layer's own clock: norms, GEMMs, rope+kv, attn, eltwise
+        ns = sum(stages) or 1
+        fused = step.pop("fused layer", 0.0)
+        step["other ops"] += fused * (stages[0] + stages[4]) / ns
+        step["GEMMs"] += fused * stages[1] / ns
+        step["attention"] += fused * (stages[2] + stages[3]) / ns
+    for component, seconds in step.items():
+        acc[component] += seconds
+    acc["total"] += total
+    clock.steps[kind] += 1
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, VOCAB) for _ in range(n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quantization", default="auto")
+    args = parser.parse_args()
+    config = EngineConfig(
+        quantization=args.quantization,
+        cache=CacheConfig(kv_cache_bytes=1 << 30),
+        scheduler=SchedulerConfig(max_num_batched_tokens=512),
+    )
+    clock = Clock()
+    stages: list[torch.Tensor] = []
+    with Engine(config) as engine:
+        engine.wait_ready()
+        install(clock, stages)
+        rng = random.Random(0)
+        long = SamplingParams(max_tokens=10_000, ignore_eos=True)
+        streams = [engine.add_request(_prompt(rng, CONTEXT), long) for _ in range(DECODERS)]
+        for s in streams:  # every request prefilled and decoding
+            s.get(timeout=600)
+        time.sleep(1.0)  # decode steps only
+        newcomer = engine.add_request(_prompt(rng, CONTEXT), SamplingParams(max_tokens=1))
+        newcomer.result(timeout=600)  # mixed steps: its chunks beside the 8 decodes
+        time.sleep(1.0)
+        for s in streams:
+            engine.abort(s.request_id)
+    print(f"quantization={args.quantization}, {DECODERS} requests at ~{CONTEXT} tokens")
+    order = ["GEMMs", "attention", "other ops", "logits", "sampling", "Python"]
+    print("| step | steps | total ms | " + " | ".join(order) + " |")
+    print("|---|---|---|" + "---|" * len(order))
+    for kind in ("decode", "mixed"):
+        n = clock.steps[kind]
+        if not n:
+            continue
+        acc = clock.kinds[kind]
+        acc["Python"] = acc["total"] - sum(acc[c] for c in order if c != "Python")
+        cells = " | ".join(f"{1e3 * acc[c] / n:.1f}" for c in order)
+        print(f"| {kind} | {n} | {1e3 * acc['total'] / n:.1f} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,10 @@ from agentx import env
 __all__ = ["available", "load"]
 
 _SOURCES = ("qlinear.cpp", "paged_attention.cpp", "decoder_layer.cpp")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno")
+# -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without the
+# flag it compiles to a serial loop (every kernel on one thread). The library links the
+# libgomp.so.1 that torch already loaded, so both share one OpenMP thread pool.
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fopenmp")
 _CSRC = Path(__file__).with_name("csrc")
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -77,6 +80,7 @@ def _build_and_load(verbose: bool) -> bool:
             name="agentx_cpu_kernels",
             sources=[str(_CSRC / name) for name in _SOURCES],
             extra_cflags=list(_FLAGS),
+            extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,

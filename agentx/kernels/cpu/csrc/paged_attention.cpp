@@ -208,41 +208,55 @@ inline void fold_heads(const float* q, const T* kb, const T* vb, int64_t count, 
   }
 }
 
-// Bring one block's K and V rows of one KV head towards L1 (blocks sit at random addresses,
-// so the hardware prefetcher cannot guess the next one).
-template <typename T, int D>
-inline void prefetch_block(const T* kb, int64_t block_size, int64_t ts) {
+// Bring one block's K and V rows (every KV head: `width` elements a token) towards L1: blocks
+// sit at random addresses, so the hardware prefetcher cannot guess the next one.
+template <typename T>
+inline void prefetch_block(const T* kb, int64_t count, int64_t width, int64_t block_stride_tokens) {
   constexpr int kLine = 64 / sizeof(T);
-  for (int64_t t = 0; t < block_size; ++t) {
-    for (int i = 0; i < D; i += kLine) {
-      _mm_prefetch(reinterpret_cast<const char*>(kb + t * ts + i), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(kb + (block_size + t) * ts + i), _MM_HINT_T0);
-    }
+  const char* k = reinterpret_cast<const char*>(kb);
+  const char* v = reinterpret_cast<const char*>(kb + block_stride_tokens * width);
+  const int64_t bytes = count * width * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < bytes; i += kLine * static_cast<int64_t>(sizeof(T))) {
+    _mm_prefetch(k + i, _MM_HINT_T0);
+    _mm_prefetch(v + i, _MM_HINT_T0);
   }
 }
 
-// Keys [lo, ends[tile_rows - 1]) of one KV head for a tile of rows (ends[r]: row r's last key
-// + 1, nondecreasing) and the `group` query heads reading that KV head, block by block, so
-// each block's K/V comes from memory once for the whole tile.
+// Keys [lo, ends[tile_rows - 1]) for a tile of rows (ends[r]: row r's last key + 1,
+// nondecreasing) and every KV head with the `group` query heads reading it, block by block:
+// each block's K/V (whole token rows, all heads) comes from memory once for the whole tile.
+// states: tile_rows x heads, row-major.
 template <typename T, int D>
 void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t block_stride,
                  const int64_t* table, int64_t lo, const int64_t* ends, int64_t tile_rows,
-                 int64_t block_size, int64_t token_stride, int64_t kv_head, int64_t group,
-                 float scale, State* states) {
+                 int64_t block_size, int64_t num_kv_heads, int64_t group, float scale,
+                 State* states) {
   alignas(32) float score[3 * kScoreStride];
   const int64_t hi = ends[tile_rows - 1];
-  const int64_t head_offset = kv_head * D;
+  const int64_t token_stride = num_kv_heads * D, heads = num_kv_heads * group;
+  const int64_t second = (lo / block_size + 1) * block_size;
+  if (second < hi) {
+    prefetch_block<T>(cache + table[lo / block_size + 1] * block_stride,
+                      std::min(block_size, hi - second), token_stride, block_size);
+  }
   for (int64_t start = lo; start < hi;) {
     const int64_t b = start / block_size;
     const int64_t end = std::min(hi, (b + 1) * block_size);
-    if (end < hi) prefetch_block<T, D>(cache + table[b + 1] * block_stride + head_offset, block_size, token_stride);
-    const T* kb = cache + table[b] * block_stride + head_offset + (start - b * block_size) * token_stride;
-    const T* vb = kb + block_size * token_stride;
+    // two blocks ahead: one block's work is shorter than fetching the next from memory
+    const int64_t ahead = (b + 2) * block_size;
+    if (ahead < hi) {
+      prefetch_block<T>(cache + table[b + 2] * block_stride,
+                        std::min(block_size, hi - ahead), token_stride, block_size);
+    }
+    const T* kblock = cache + table[b] * block_stride + (start - b * block_size) * token_stride;
     for (int64_t r = 0; r < tile_rows; ++r) {
       const int64_t count = std::min(end, ends[r]) - start;
       if (count <= 0) continue;
-      fold_heads<T, D>(q + r * q_row_stride, kb, vb, count, token_stride, scale, score,
-                       states + r * group, group);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const T* kb = kblock + h * D;
+        fold_heads<T, D>(q + r * q_row_stride + h * group * D, kb, kb + block_size * token_stride,
+                         count, token_stride, scale, score, states + r * heads + h * group, group);
+      }
     }
     start = end;
   }
@@ -250,7 +264,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
 
 template <typename T>
 using TileFn = void (*)(const float*, int64_t, const T*, int64_t, const int64_t*, int64_t,
-                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, State*);
+                        const int64_t*, int64_t, int64_t, int64_t, int64_t, float, State*);
 
 template <typename T>
 TileFn<T> tile_fn(int64_t head_dim) {
@@ -274,7 +288,7 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
               int64_t block_size, int64_t window, float scale, float* out) {
   const TileFn<T> fn = tile_fn<T>(head_dim);
   TORCH_CHECK(fn != nullptr, "paged attention: head_dim must be 64, 128 or 256");
-  const int64_t group = heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
+  const int64_t group = heads / num_kv_heads;
   // Tiles of rows, then (tile, split) items. Rows of a tile share their splits' bounds:
   // only without a window, where every row's splits start at key 0.
   std::vector<int64_t> tile_first, item_tile, item_lo, item_hi;
@@ -317,23 +331,14 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
   for (int64_t s = 0; s < item_state[items]; ++s) {
     states[s] = {acc.data() + s * head_dim, -std::numeric_limits<float>::infinity(), 0.f};
   }
-  at::parallel_for(0, items * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> ends(kTileRows);
-    std::vector<State> local(kTileRows * heads);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t it = task / num_kv_heads, h = task % num_kv_heads;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    int64_t ends[kTileRows];
+    for (int64_t it = begin; it < end; ++it) {
       const int64_t r0 = tile_first[item_tile[it]], n = tile_first[item_tile[it] + 1] - r0;
       for (int64_t i = 0; i < n; ++i) ends[i] = std::min(token_len[r0 + i], item_hi[it]);
-      // this task's states: rows x its group of heads, laid out row-major for attend_tile
-      for (int64_t i = 0; i < n; ++i) {
-        for (int64_t g = 0; g < group; ++g) local[i * group + g] = states[item_state[it] + i * heads + h * group + g];
-      }
-      fn(q + (r0 * heads + h * group) * head_dim, heads * head_dim, cache, block_stride,
-         tables + token_req[r0] * table_stride, item_lo[it], ends.data(), n, block_size,
-         token_stride, h, group, scale, local.data());
-      for (int64_t i = 0; i < n; ++i) {
-        for (int64_t g = 0; g < group; ++g) states[item_state[it] + i * heads + h * group + g] = local[i * group + g];
-      }
+      fn(q + r0 * heads * head_dim, heads * head_dim, cache, block_stride,
+         tables + token_req[r0] * table_stride, item_lo[it], ends, n, block_size, num_kv_heads,
+         group, scale, states.data() + item_state[it]);
     }
   });
   // merge each row's splits, in order: rescale each to the common max

@@ -13,6 +13,7 @@ the fused layer's stages by its opt-in C++ clock), averaged over the steps of ea
 
     python benchmarks/step_profile.py                    # the default configuration
     python benchmarks/step_profile.py --quantization none   # fp32, unfused (the old path)
+    python benchmarks/step_profile.py --decoders 1          # one stream after a 2K prompt
 """
 
 # ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
@@ -159,9 +160,12 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def main() -> None:
+    global DECODERS  # noqa: PLW0603 (read by _kind inside the engine's loop)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--decoders", type=int, default=8, help="requests decoding")
     args = parser.parse_args()
+    DECODERS = args.decoders
     config = EngineConfig(
         quantization=args.quantization,
         cache=CacheConfig(kv_cache_bytes=1 << 30),
@@ -183,7 +187,7 @@ def main() -> None:
         time.sleep(1.0)
         for s in streams:
             engine.abort(s.request_id)
-    print(f"quantization={args.quantization}, {DECODERS} requests at ~{CONTEXT} tokens")
+    print(f"quantization={args.quantization}, {DECODERS} request(s) at ~{CONTEXT} tokens")
     order = ["GEMMs", "attention", "other ops", "logits", "sampling", "Python"]
     print("| step | steps | total ms | " + " | ".join(order) + " |")
     print("|---|---|---|" + "---|" * len(order))

@@ -122,7 +122,7 @@ def load_slots(args) -> list[Slot]:
 
 
 def main() -> None:
-    parser = base_parser(__doc__.split("\n\n")[0], omp_wait="passive")
+    parser = base_parser(__doc__.split("\n\n")[0], omp_wait="spin")
     parser.add_argument("--slots", type=int, default=4, help="contexts, one session each")
     parser.add_argument("--n-ctx", type=int, default=8192)
     parser.add_argument("--n-batch", type=int, default=512)

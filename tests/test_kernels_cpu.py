@@ -62,6 +62,26 @@ def test_quantized_linear_rows_are_independent(bits):
     assert torch.equal(cpu.quantized_linear(x[5:9], *packed, None, bits), batch[5:9])
 
 
+needs_avx512 = pytest.mark.skipif(
+    not (cpu.available() and cpu.has_avx512()), reason="this CPU has no AVX-512 VNNI"
+)
+
+
+@needs_avx512
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 33])
+@pytest.mark.parametrize("n", [8, 24, 40, 64, 968])  # odd tile counts take the AVX2 tile
+def test_quantized_linear_avx512_equals_avx2(bits, m, n):
+    _, packed = _packed(n, 96, bits, seed=n)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)) * 2
+    outs = []
+    for isa in ("avx2", "avx512"):
+        with cpu.use_isa(isa):
+            outs.append(cpu.quantized_linear(x, *packed, None, bits))
+    assert cpu.get_isa() == "avx512"  # restored
+    assert torch.equal(outs[0], outs[1])  # exact integer dots, the same float steps
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_math_close_to_dequantized_matmul(bits):
     plain, packed = _packed(64, 256, bits)

@@ -1,11 +1,14 @@
-"""Compiled CPU kernels (C++, AVX2): quantized linear layers, paged attention read in place
-(decode and prefill rows alike) and a fused decoder layer.
+"""Compiled CPU kernels (C++; AVX2, and AVX-512 VNNI where present): quantized linear layers,
+paged attention read in place (decode and prefill rows alike) and a fused decoder layer.
 
 Same signatures as the reference backend (``kernels/ref``), which is their ground truth; the
 library builds on first use (``build.py``). Callers check :func:`available` first.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -14,10 +17,42 @@ from agentx.kernels.cpu.build import available
 __all__ = [
     "available",
     "fused_decoder_layer",
+    "get_isa",
+    "has_avx512",
     "paged_attention",
     "quantized_linear",
     "token_layout",
+    "use_isa",
 ]
+
+_ISAS = ("avx2", "avx512")
+
+
+def get_isa() -> str:
+    """The vector instructions the kernels use: "avx512" (AVX-512 VNNI) where the CPU has
+    them, else "avx2"."""
+    return _ISAS[torch.ops.agentx.kernel_isa(-1)]
+
+
+def has_avx512() -> bool:
+    """Whether this CPU runs the AVX-512 VNNI kernels."""
+    current = torch.ops.agentx.kernel_isa(-1)
+    found = torch.ops.agentx.kernel_isa(1) == 1
+    torch.ops.agentx.kernel_isa(current)
+    return found
+
+
+@contextlib.contextmanager
+def use_isa(isa: str) -> Iterator[None]:
+    """Run the kernels with ``isa`` ("avx2" or "avx512") inside the block (tests compare the
+    two; they give the same bits). Process-wide: not for use while an engine runs."""
+    previous = torch.ops.agentx.kernel_isa(-1)
+    if torch.ops.agentx.kernel_isa(_ISAS.index(isa)) != _ISAS.index(isa):
+        raise ValueError(f"this CPU cannot run the {isa} kernels")
+    try:
+        yield
+    finally:
+        torch.ops.agentx.kernel_isa(previous)
 
 
 def quantized_linear(

@@ -22,7 +22,12 @@ from agentx import env
 
 __all__ = ["available", "load"]
 
-_SOURCES = ("qlinear.cpp", "paged_attention.cpp", "decoder_layer.cpp")
+_SOURCES = (
+    "qlinear.cpp",
+    "qlinear_avx512.cpp",
+    "paged_attention.cpp",
+    "decoder_layer.cpp",
+)
 # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without the
 # flag it compiles to a serial loop (every kernel on one thread). The library links the
 # libgomp.so.1 that torch already loaded, so both share one OpenMP thread pool.

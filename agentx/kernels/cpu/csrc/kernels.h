@@ -24,4 +24,18 @@ void paged_attention_rows_into(const float* q, const at::Tensor& kv_cache, const
                                const int64_t* token_len, int64_t rows, int64_t heads,
                                float scale, int64_t window, float* out);
 
+// Which vector instructions the kernels use: kIsaAvx2, or kIsaAvx512 (AVX-512 VNNI) when the
+// CPU has it (the default there). set >= 0 chooses (tests compare the two); -1 only reads.
+constexpr int64_t kIsaAvx2 = 0;
+constexpr int64_t kIsaAvx512 = 1;
+int64_t kernel_isa(int64_t set);
+bool cpu_has_avx512_vnni();
+
+// AVX-512 VNNI tiles [t0, t1) (an even count) of up to 4 rows (qlinear_avx512.cpp); out[r]
+// points at row r's column 8 t0. The same arithmetic as qlinear.cpp's AVX2 tiles.
+void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, bool int4, const uint8_t* w,
+                            int64_t tile_bytes, const float* scale, const float* mins,
+                            const int8_t* xq, const float* dx, const float* sx, int64_t k,
+                            float* const* out);
+
 }  // namespace agentx

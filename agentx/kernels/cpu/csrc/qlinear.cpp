@@ -19,6 +19,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -153,6 +155,12 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& scale, const at::
 
 }  // namespace
 
+int64_t kernel_isa(int64_t set) {
+  static std::atomic<int64_t> isa{cpu_has_avx512_vnni() ? kIsaAvx512 : kIsaAvx2};
+  if (set == kIsaAvx2 || (set == kIsaAvx512 && cpu_has_avx512_vnni())) isa = set;
+  return isa;
+}
+
 void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& qweight,
                            const at::Tensor& scale, const at::Tensor& mins, int64_t bits,
                            float* y, int64_t ldy) {
@@ -170,12 +178,30 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   const int8_t* xqp = xq.data();
   const float* dxp = dx.data();
   const float* sxp = sx.data();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  // AVX-512: pairs of tiles (an odd last tile below, with AVX2's tile: the same arithmetic)
+  const bool wide = kernel_isa(-1) == kIsaAvx512;
+  std::vector<int8_t> xu;
+  if (wide && !int4) {
+    xu.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) xu[i] = static_cast<int8_t>(xq[i] ^ 0x80);
+  }
+  const int64_t pairs = wide ? tiles / 2 : 0;
+  const int8_t* xwide = int4 ? xqp : xu.data();
+  at::parallel_for(0, pairs + (tiles - 2 * pairs), 1, [&](int64_t u0, int64_t u1) {
+    // work units: pairs [0, pairs), then single tiles 2 * pairs + (u - pairs)
+    const int64_t p1 = std::min(u1, pairs);
     float buf[kRows][kTile];
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
       const int64_t rows = std::min<int64_t>(kRows, m - r0);
+      if (u0 < p1) {
+        float* out[kRows];
+        for (int64_t r = 0; r < rows; ++r) out[r] = y + (r0 + r) * ldy + 2 * u0 * kTile;
+        quantized_tiles_avx512(rows, 2 * u0, 2 * p1, int4, wp, tile_bytes, sp, mp,
+                               xwide + r0 * k, dxp + r0 * groups, sxp + r0 * groups, k, out);
+      }
       float* out[kRows] = {buf[0], buf[1], buf[2], buf[3]};
-      for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t u = std::max(u0, pairs); u < u1; ++u) {
+        const int64_t t = 2 * pairs + (u - pairs);
         const uint8_t* w = wp + t * tile_bytes;
         const float* s = sp + t * groups * kTile;
         const float* mn = mp ? mp + t * groups * kTile : nullptr;
@@ -220,6 +246,8 @@ TORCH_LIBRARY_FRAGMENT(agentx, lib) {
       "quantized_linear(Tensor x, Tensor qweight, Tensor scale, Tensor mins, Tensor? bias, "
       "int bits) -> Tensor");
   lib.impl("quantized_linear", c10::DispatchKey::CPU, &quantized_linear);
+  // -1: which instruction set the kernels use; 0 / 1: use AVX2 / AVX-512 VNNI (if present)
+  lib.def("kernel_isa(int set) -> int", &kernel_isa);
 }
 
 }  // namespace agentx

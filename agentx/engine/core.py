@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from agentx.config import EngineConfig
+from agentx.engine.draft import Drafter, DraftSource
 from agentx.engine.kv_cache import KVCacheManager
 from agentx.engine.kv_cache.retention import make_retention
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
@@ -115,6 +116,10 @@ class EngineCore:
         self._grammar: GrammarBackend | None = None  # built by prepare() or on first use
         self._grammar_lock = threading.Lock()
         self._mask_worker: ThreadPoolExecutor | None = None
+        spec = config.speculative
+        # a linear state cannot roll back rejected drafts: such layouts never draft
+        self._speculate = spec.enabled and not self.kv.coordinator.has_linear
+        self.draft_source = DraftSource(spec.num_engine_outputs)  # recent outputs, engine-wide
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -148,7 +153,22 @@ class EngineCore:
             held_kv=options.held_kv,
             hints=options.hints,
             grammar=grammar,
+            **self._drafting(options, grammar is not None),
         )
+
+    def _drafting(self, options: RequestOptions, constrained: bool) -> dict:
+        """A request's drafter and the sources its output goes to. Constrained requests do
+        not draft (a draft would need the grammar's mask at every drafted position), but
+        their outputs, often quoted later, feed the sources."""
+        if not self._speculate:
+            return {}
+        sources = tuple(
+            s for s in (options.draft_source, self.draft_source) if s is not None and s.max_entries
+        )
+        drafter = None
+        if not constrained:
+            drafter = Drafter(self.config.speculative.num_speculative_tokens, sources)
+        return {"drafter": drafter, "draft_sinks": sources}
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -290,10 +310,10 @@ class EngineCore:
 
     def _with_text(self, delta: RequestOutput) -> RequestOutput:
         state = self._texts[delta.request_id]
-        token_ids = delta.new_token_ids
-        if _ends_on_stop_token(delta, self.eos_token_ids) and not state.include_stop:
-            token_ids = token_ids[:-1]  # an EOS or stop token ends the text, it is not text
-        new_text = state.push(token_ids)
+        if state.stop and len(delta.new_token_ids) > 1:
+            delta, new_text = self._push_until_stop(state, delta)
+        else:
+            new_text = state.push(self._text_token_ids(delta, state))
         if state.matched is not None and delta.stop_reason != state.matched:
             if not delta.finished:
                 self.scheduler.finish_requests([delta.request_id], RequestStatus.FINISHED_STOPPED)
@@ -302,6 +322,38 @@ class EngineCore:
             new_text += state.flush()
             del self._texts[delta.request_id]
         return replace(delta, new_text=new_text)
+
+    def _text_token_ids(self, delta: RequestOutput, state: _TextState) -> list[int]:
+        token_ids = delta.new_token_ids
+        if _ends_on_stop_token(delta, self.eos_token_ids) and not state.include_stop:
+            token_ids = token_ids[:-1]  # an EOS or stop token ends the text, it is not text
+        return token_ids
+
+    def _push_until_stop(
+        self, state: _TextState, delta: RequestOutput
+    ) -> tuple[RequestOutput, str]:
+        """A step that kept drafts added several tokens: push them one at a time, so a stop
+        string ends the output at the token it would have ended it at without drafting."""
+        token_ids = self._text_token_ids(delta, state)
+        new_text = ""
+        for i, token_id in enumerate(token_ids):
+            new_text += state.push([token_id])
+            if state.matched is None or i + 1 == len(delta.new_token_ids):
+                continue
+            num_cut = len(delta.new_token_ids) - (i + 1)
+            request = self.scheduler.requests.get(delta.request_id)
+            if request is not None and not request.is_finished:
+                request.truncate(request.num_tokens - num_cut)
+            ids = delta.new_token_ids[: i + 1]
+            delta = replace(
+                delta,
+                new_token_ids=ids,
+                num_output_tokens=delta.num_output_tokens - num_cut,
+                finish_reason=None,
+                stop_reason=None,
+            )
+            break
+        return delta, new_text
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -324,6 +376,8 @@ class EngineCore:
             kv_usage=kv.get_usage(),
             kv_num_held=len(kv.held),
             **self.offload.get_stats(),
+            num_draft_tokens=s.num_draft_tokens,
+            num_accepted_tokens=s.num_accepted_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -7,7 +7,7 @@ Scheduler --RequestOutput (per request delta)--> Engine client --> collectors
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agentx.engine.sampling import SamplingParams
 from agentx.errors import warn_renamed
@@ -20,7 +20,16 @@ class ScheduledRequest:
     ``token_ids`` are the tokens to compute at positions ``[start_position, start_position +
     len(token_ids))``. ``new_block_ids`` are the blocks appended (per KV group) since the runner
     last saw the request; when ``is_new`` the runner forgets what it had and they are the whole
-    block table (a first schedule, or a resume after preemption).
+    block table (a first schedule, or a resume after preemption). Otherwise, when
+    ``num_kept_blocks`` is set, the runner first cuts its table to that many blocks (the blocks
+    of drafts rejected since it last saw the request went back to the pool).
+
+    The last ``num_draft_tokens`` of ``token_ids`` are drafts (engine/draft.py): the runner
+    samples after each of them as well as after the last real token, and keeps the longest
+    prefix of drafts that matches what it sampled::
+
+        token_ids   [ ... real | d0 d1 d2 ]      sampled after:  real -> s0, d0 -> s1, ...
+        kept        s0 (always), then s(i+1) while s(i) == d(i)
     """
 
     request_id: str
@@ -32,6 +41,8 @@ class ScheduledRequest:
     sampling: SamplingParams
     seed: int  # the request's resolved seed: sampling is a pure function of (seed, index)
     num_output_tokens: int  # tokens sampled so far: the index of the next one
+    num_draft_tokens: int = 0
+    num_kept_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,9 @@ class GrammarMasks:
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]  # only requests that sampled this step
+    # requests that drafted: the tokens sampled after their accepted drafts, in order
+    # (sampled_token_ids holds the first); absent when no draft was accepted
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +87,8 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     new_text: str = ""
+    num_draft_tokens: int = 0  # tokens drafted for this request so far (engine/draft.py)
+    num_accepted_tokens: int = 0  # of those, accepted by verification
 
     @property
     def finished(self) -> bool:
@@ -100,6 +116,12 @@ class EngineStats:
     offload_stored_blocks: int = 0  # blocks written down to the tiers
     offload_failed_blocks: int = 0  # loads that failed (recomputed instead)
     offload_num_prefetches: int = 0  # sessions brought back before their tool returned
+    num_draft_tokens: int = 0  # tokens drafted from context and verified (engine/draft.py)
+    num_accepted_tokens: int = 0  # of those, accepted: tokens a step gained over one
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
     def kv_num_held_sequences(self) -> int:

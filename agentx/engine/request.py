@@ -14,6 +14,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from agentx.engine.draft import Drafter, DraftSource
 from agentx.engine.hints import Hint
 from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes
 from agentx.engine.sampling import SamplingParams
@@ -30,6 +31,9 @@ class RequestOptions:
     hold_kv: bool = False  # when it finishes, hold its KV under its request id (kv_cache/held.py)
     held_kv: str | None = None  # the handle of held KV this request continues
     hints: tuple[Hint, ...] = ()  # what the agent knows about the future (engine/hints.py)
+    # tokens this request may draft from besides its own (engine/draft.py): a session passes
+    # its tree's source; the engine adds the request's output to it when it finishes
+    draft_source: DraftSource | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.priority, int):
@@ -73,6 +77,8 @@ class Request:
     held_kv: str | None = None  # the handle of held KV this request continues
     hints: tuple = ()  # the session's hints (agentx.session.hints) for tiers and policies
     grammar: GrammarMatcher | None = None  # set when sampling.structured is
+    drafter: Drafter | None = None  # set when it may speculate (engine/draft.py)
+    draft_sinks: tuple[DraftSource, ...] = ()  # receive its output when it completes
     arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -115,6 +121,22 @@ class Request:
         if self.num_tokens % self.block_size == 0:
             self._update_block_hashes()
         return token_id
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop output tokens past ``num_tokens`` (a stop string ended the output inside a
+        step's accepted drafts); computed KV past the new end is forgotten too."""
+        assert self.num_prompt_tokens < num_tokens <= self.num_tokens
+        del self.all_token_ids[num_tokens:]
+        del self.block_hashes[num_tokens // self.block_size :]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens - 1)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.drafter.num_draft_tokens if self.drafter is not None else 0
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.drafter.num_accepted_tokens if self.drafter is not None else 0
 
     def _update_block_hashes(self) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)

@@ -24,6 +24,8 @@ class RequestUsage:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
     output_tokens: int
+    draft_tokens: int = 0  # tokens drafted from context and verified (engine/draft.py)
+    accepted_draft_tokens: int = 0  # of those, accepted (output tokens that cost no step)
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -159,6 +161,10 @@ class RequestStream:
             finish_reason=final.finish_reason,
             stop_reason=final.stop_reason,
             usage=RequestUsage(
-                final.num_prompt_tokens, final.num_cached_tokens, final.num_output_tokens
+                final.num_prompt_tokens,
+                final.num_cached_tokens,
+                final.num_output_tokens,
+                final.num_draft_tokens,
+                final.num_accepted_tokens,
             ),
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import anyio
 
 from agentx.engine.client import Engine
+from agentx.engine.draft import DraftSource
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream
@@ -92,6 +93,9 @@ class Session:
         self._pinned = False
         self._drop_on_close = False
         self._hints: list[Hint] = []
+        # the outputs of this session's tree (it, its parent, its siblings), which its turns
+        # draft from (engine/draft.py); a fork shares its parent's
+        self._draft_source = DraftSource()
         self.usage = Usage()  # this session's own turns
         self.total_usage = Usage()  # own turns plus every descendant's
 
@@ -222,6 +226,7 @@ class Session:
             hold_kv=True,
             held_kv=self._held_kv,
             hints=tuple(self._hints),
+            draft_source=self._draft_source,
         )
         stream = self.engine.add_request(prompt, sampling, options=options)
         self._held_kv = None  # the request adopts it (or it is released when the request runs)
@@ -375,6 +380,7 @@ class Session:
         child._open_calls = dict(self._open_calls)
         child._held_kv = handle
         child._priority = self._priority
+        child._draft_source = self._draft_source
         child._parent = self
         self._children.append(child)
         return child

@@ -80,6 +80,14 @@ class KVCacheCoordinator:
             blocks = m.req_to_blocks.get(request_id, [])[first:]
             self.pool.uncache_blocks([b for b in blocks if not b.is_null])
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Keep only the blocks of the request's first ``num_tokens`` tokens in every group;
+        returns the blocks released (attention groups only: a linear state cannot roll back,
+        so the engine never drafts for a layout that has one)."""
+        assert not self.has_linear, "linear state cannot roll back rejected drafts"
+        num_blocks = -(-num_tokens // self.block_size)
+        return sum(m.trim(request_id, num_blocks) for m in self.managers)
+
     def take(self, request_id: str) -> GroupBlocks:
         return tuple(m.take(request_id) for m in self.managers)
 

@@ -6,6 +6,7 @@ prefix-cache statistics. It does not know how requests are ordered or what the m
     get_computed_blocks(request)          -> the prefix hit (no side effects)
     allocate_slots(request, n, hit)       -> the blocks for n more tokens, or None if they don't fit
     free(request)                         -> every block back to the pool (cached content kept)
+    trim_slots(request)                   -> blocks past its computed tokens back (rejected drafts)
     hold(request)                         -> keep a finished request's blocks for the next turn
 
 A prefix hit comes from the prefix cache (full blocks, by hash) or, when the request names
@@ -102,6 +103,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
+        reclaim_held: bool = True,
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens after taking a prefix hit.
 
@@ -111,6 +113,7 @@ class KVCacheManager:
         full once these tokens are computed are published to the prefix cache now: within one
         step every KV write happens before any attention read. A request taking a prefix hit
         (``new_computed_blocks`` given, even empty) counts as one prefix-cache query.
+        ``reclaim_held=False`` never releases held KV to make room (slots for drafts).
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
@@ -120,6 +123,8 @@ class KVCacheManager:
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
         if num_needed > self.pool.num_free_blocks:
+            if not reclaim_held:
+                return None
             self.held.reclaim(num_needed, keep=request.held_kv)
             num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
             if num_needed > self.pool.num_free_blocks:
@@ -143,8 +148,19 @@ class KVCacheManager:
         self.coordinator.uncache_uncomputed(rid, num_computed)
         self.coordinator.free(rid)
 
+    def trim_slots(self, request: Request) -> int:
+        """Release the blocks past the request's computed tokens: the slots of drafts that
+        verification rejected (their KV was written but is never read: the next tokens
+        overwrite those slots). Only computed real tokens were ever published (a block's hash
+        needs its tokens), so the prefix cache keeps exactly the accepted content. Returns the
+        number of blocks released."""
+        if self.coordinator.has_linear:
+            return 0
+        return self.coordinator.trim(request.request_id, request.num_computed_tokens)
+
     def hold(self, request: Request) -> None:
         """Hold a finished request's KV under its id for a request that names it in ``held_kv``."""
+        self.trim_slots(request)
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         blocks = self.coordinator.take(request.request_id)
         tokens = request.all_token_ids[: request.num_computed_tokens]

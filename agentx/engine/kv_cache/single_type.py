@@ -119,6 +119,19 @@ class SingleTypeKVManager(ABC):
             blocks = blocks[:num_useful_blocks]
         self.pool.free_blocks(reversed(blocks))
 
+    def trim(self, request_id: str, num_blocks: int) -> int:
+        """Release the request's blocks past its first ``num_blocks`` (the slots of rejected
+        drafts), last first; returns how many went back."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        dropped = blocks[num_blocks:]
+        if not dropped:
+            return 0
+        del blocks[num_blocks:]
+        if self.num_cached_blocks.get(request_id, 0) > num_blocks:
+            self.num_cached_blocks[request_id] = num_blocks
+        self.pool.free_blocks(reversed(dropped))
+        return len(dropped)
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:  # noqa: B027
         """Return blocks no future token of the request reads (none, by default)."""
 

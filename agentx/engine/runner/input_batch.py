@@ -29,7 +29,8 @@ class BatchInputs:
     positions: torch.Tensor  # (T,)
     attn: tuple[AttentionMetadata | None, ...]  # per KV group
     linear: tuple[LinearStateMetadata | None, ...]  # per KV group
-    logits_indices: torch.Tensor  # (N,) last token of each request that samples
+    # (N,) the last token of each request that samples, and each of its drafts
+    logits_indices: torch.Tensor
     sample_rows: list[int]  # index into the step's scheduled list, per logits row
 
 
@@ -60,7 +61,11 @@ class InputBatch:
             self.free_rows.append(row)
 
     def _update_blocks(
-        self, request_id: str, block_ids: tuple[list[int], ...], is_new: bool
+        self,
+        request_id: str,
+        block_ids: tuple[list[int], ...],
+        is_new: bool,
+        num_kept_blocks: int | None = None,
     ) -> int:
         if is_new:
             self.remove(request_id)
@@ -68,6 +73,9 @@ class InputBatch:
                 raise RuntimeError("input batch has no free row: more running requests than rows")
             self.row_of[request_id] = self.free_rows.pop()
         row = self.row_of[request_id]
+        if num_kept_blocks is not None:  # blocks of rejected drafts went back to the pool
+            for counts in self.num_blocks:
+                counts[row] = min(counts[row], num_kept_blocks)
         for g, ids in enumerate(block_ids):
             start = 0 if is_new else self.num_blocks[g][row]
             end = start + len(ids)
@@ -82,15 +90,21 @@ class InputBatch:
         rows, tokens, positions, query_start_loc, seq_lens = [], [], [], [0], []
         logits_indices, sample_rows = [], []
         for i, item in enumerate(out.scheduled):
-            rows.append(self._update_blocks(item.request_id, item.new_block_ids, item.is_new))
+            rows.append(
+                self._update_blocks(
+                    item.request_id, item.new_block_ids, item.is_new, item.num_kept_blocks
+                )
+            )
             n = len(item.token_ids)
             tokens.extend(item.token_ids)
             positions.extend(range(item.start_position, item.start_position + n))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(item.start_position + n)
             if item.sample:
-                logits_indices.append(query_start_loc[-1] - 1)
-                sample_rows.append(i)
+                # the last real token, then each draft: [.. real | d0 .. d(k-1) ]
+                end = query_start_loc[-1]
+                logits_indices.extend(range(end - 1 - item.num_draft_tokens, end))
+                sample_rows.extend([i] * (item.num_draft_tokens + 1))
         row_t = torch.tensor(rows, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
         query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(rows))]

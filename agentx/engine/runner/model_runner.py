@@ -17,7 +17,12 @@ from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.layers import QuantizableLinear
 from agentx.engine.models.registry import get_model_class
 from agentx.engine.models.spec import ModelSpec
-from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
+from agentx.engine.outputs import (
+    GrammarMasks,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from agentx.engine.parallel import SINGLE, ParallelState
 from agentx.engine.runner.input_batch import InputBatch
 from agentx.engine.runner.kv_layout import allocate_kv_caches, get_layer_specs, plan_kv_layout
@@ -114,8 +119,13 @@ class ModelRunner:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])
         items = [out.scheduled[i] for i in batch.sample_rows]
-        if masks is not None:
-            row_of = {it.request_id: row for row, it in enumerate(items)}
+        # a request's j-th logits row samples its output token num_output_tokens + j
+        offsets = [0] * len(items)
+        for row in range(1, len(items)):
+            if batch.sample_rows[row] == batch.sample_rows[row - 1]:
+                offsets[row] = offsets[row - 1] + 1
+        if masks is not None:  # constrained requests never draft: one row each
+            row_of = {it.request_id: row for row, it in enumerate(items) if not offsets[row]}
             rows = torch.tensor([row_of[rid] for rid in masks.request_ids], device=self.device)
             constrained = logits[rows].cpu()
             apply_bitmask(constrained, masks.future.result())
@@ -124,9 +134,29 @@ class ModelRunner:
             logits,
             [it.sampling for it in items],
             [it.seed for it in items],
-            [it.num_output_tokens for it in items],
+            [it.num_output_tokens + j for it, j in zip(items, offsets, strict=True)],
         )
-        return ModelRunnerOutput({it.request_id: t for it, t in zip(items, token_ids, strict=True)})
+        return _verify(items, offsets, token_ids)
+
+
+def _verify(
+    items: list[ScheduledRequest], offsets: list[int], token_ids: list[int]
+) -> ModelRunnerOutput:
+    """Keep, per request, the first sampled token and each one after a draft that matched
+    what was sampled before it (the longest accepted prefix; see ScheduledRequest)."""
+    sampled: dict[str, int] = {}
+    extra: dict[str, list[int]] = {}
+    for item, j, token_id in zip(items, offsets, token_ids, strict=True):
+        rid = item.request_id
+        if j == 0:
+            sampled[rid] = token_id
+            continue
+        kept = extra.get(rid, [])
+        previous = kept[-1] if kept else sampled[rid]
+        drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens :]
+        if len(kept) == j - 1 and drafts[j - 1] == previous:
+            extra.setdefault(rid, []).append(token_id)
+    return ModelRunnerOutput(sampled, extra)
 
 
 def finalize_weights(model: torch.nn.Module, mode: str) -> bool:

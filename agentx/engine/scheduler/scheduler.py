@@ -13,6 +13,12 @@ each step (schedule() to update_from_output()) and feeds the model.
 
 When the pool runs out, the policy's victim is preempted by recompute: its blocks go back to the
 pool with their cached content, so on resume it takes a prefix hit on what survived.
+
+A request whose tokens reach its end this step may add drafts (engine/draft.py): tokens it
+guesses come next, computed optimistically in the same step (``num_computed_tokens`` counts
+them); the runner keeps the longest prefix it would have sampled anyway, and the rejected ones
+are taken back (``num_computed_tokens`` drops, their blocks return to the pool). Drafts take
+budget but not the chunk share, never preempt anything and never release held KV.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from agentx.config import SchedulerConfig
 from agentx.engine.kv_cache import KVCacheBlocks, KVCacheManager
@@ -49,15 +56,24 @@ class _StepBudget:
             num_new = min(num_new, self.num_chunk_tokens)
         return min(num_new, self.num_tokens)
 
-    def take(self, num_new: int) -> None:
-        self.num_tokens -= num_new
+    def take(self, num_new: int, num_draft: int = 0) -> None:
+        self.num_tokens -= num_new + num_draft
         if num_new > 1:
             self.num_chunk_tokens -= num_new
 
-    def give_back(self, num_new: int) -> None:
-        self.num_tokens += num_new
+    def give_back(self, num_new: int, num_draft: int = 0) -> None:
+        self.num_tokens += num_new + num_draft
         if num_new > 1:
             self.num_chunk_tokens += num_new
+
+
+class _Scheduled(NamedTuple):
+    """One request's share of the step being built."""
+
+    request: Request
+    num_new: int  # real tokens (those in all_token_ids)
+    new_blocks: KVCacheBlocks
+    draft_token_ids: list[int]
 
 
 class Scheduler:
@@ -86,6 +102,9 @@ class Scheduler:
         self.num_computed_tokens = 0
         self.num_reused_tokens = 0
         self.num_generated_tokens = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self._kept_blocks: dict[str, int] = {}  # trimmed after rejected drafts, runner not told
         self.cost_model = cost_model if cost_model is not None else make_step_cost(config)
         self.clock = clock
         self._step_started: float | None = None  # clock() when the scheduled step left
@@ -158,8 +177,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = _StepBudget(self.config.max_num_batched_tokens, self._get_chunk_share())
-        # request id -> (request, n tokens, new KV blocks)
-        scheduled: dict[str, tuple[Request, int, KVCacheBlocks]] = {}
+        scheduled: dict[str, _Scheduled] = {}
         preempted_any = False
 
         for request in list(self.running):
@@ -172,17 +190,18 @@ class Scheduler:
                 continue  # the chunk share is spent; decodes behind it still run
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.queue_cls.pick_victim(self.running)
-                budget.give_back(self._preempt(victim, scheduled))
+                budget.give_back(*self._preempt(victim, scheduled))
                 preempted_any = True
                 if victim is request:
                     break
             if new_blocks is None:
                 continue
-            scheduled[request.request_id] = (request, num_new, new_blocks)
+            scheduled[request.request_id] = _Scheduled(request, num_new, new_blocks, [])
             budget.take(num_new)
 
         if not preempted_any and self._may_admit():
             self._admit_waiting(budget, scheduled)
+        self._add_drafts(budget, scheduled)
 
         output = self._build_output(scheduled)
         self._step_started = None if output.is_empty else self.clock()
@@ -202,6 +221,40 @@ class Scheduler:
         share = cost.get_num_tokens(target_ms, num_decoding, num_decoding)
         return min(max(share, self.config.decode_step_min_prefill_tokens), budget)
 
+    def _add_drafts(self, budget: _StepBudget, scheduled: dict[str, _Scheduled]) -> None:
+        """Drafts go last, with what is left of the budget and the free blocks: they never
+        take a block or a token that real tokens of this step need, nor release held KV."""
+        for rid, item in scheduled.items():
+            if budget.num_tokens <= 0:
+                break
+            drafts = self._propose(item.request, item.num_new, budget)
+            if not drafts:
+                continue
+            more_blocks = self.kv.allocate_slots(
+                item.request, item.num_new + len(drafts), reclaim_held=False
+            )
+            if more_blocks is None:
+                continue  # no room for them: this request decodes without
+            pairs = zip(item.new_blocks.blocks, more_blocks.blocks, strict=True)
+            blocks = tuple(a + b for a, b in pairs)
+            new_blocks = KVCacheBlocks(blocks, item.new_blocks.held_kv)
+            scheduled[rid] = item._replace(new_blocks=new_blocks, draft_token_ids=drafts)
+            budget.take(0, len(drafts))
+
+    def _propose(self, request: Request, num_new: int, budget: _StepBudget) -> list[int]:
+        """Drafts to follow the request's tokens, when these ``num_new`` reach its end: within
+        the budget left, and never past ``max_tokens`` or the model context (all drafts
+        accepted add one token more than their count)."""
+        drafter = request.drafter
+        if drafter is None or request.num_computed_tokens + num_new != request.num_tokens:
+            return []
+        max_num = min(
+            budget.num_tokens - num_new,
+            request.sampling.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return drafter.propose(request.all_token_ids, max_num)
+
     def _clip(self, num_new: int, budget: _StepBudget) -> int:
         threshold = self.config.long_prefill_token_threshold
         if threshold:
@@ -212,9 +265,7 @@ class Scheduler:
         interval = self.config.prefill_schedule_interval
         return interval == 1 or not self.running or self.num_steps % interval == 0
 
-    def _admit_waiting(
-        self, budget: _StepBudget, scheduled: dict[str, tuple[Request, int, KVCacheBlocks]]
-    ) -> None:
+    def _admit_waiting(self, budget: _StepBudget, scheduled: dict[str, _Scheduled]) -> None:
         while (
             self.waiting and budget.num_tokens > 0 and len(self.running) < self.config.max_num_seqs
         ):
@@ -238,13 +289,12 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.num_reused_tokens += num_hit
             self._known_to_runner.discard(request.request_id)
-            scheduled[request.request_id] = (request, num_new, new_blocks)
+            scheduled[request.request_id] = _Scheduled(request, num_new, new_blocks, [])
             budget.take(num_new)
 
-    def _preempt(
-        self, victim: Request, scheduled: dict[str, tuple[Request, int, KVCacheBlocks]]
-    ) -> int:
-        """Preempt by recompute; returns the budget the victim had taken this step."""
+    def _preempt(self, victim: Request, scheduled: dict[str, _Scheduled]) -> tuple[int, int]:
+        """Preempt by recompute; returns the budget (real, draft tokens) the victim had taken
+        this step."""
         self.running.remove(victim)
         self._free(victim)
         victim.status = RequestStatus.PREEMPTED
@@ -253,20 +303,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add_preempted(victim)
         taken = scheduled.pop(victim.request_id, None)
-        return taken[1] if taken else 0
+        return (taken.num_new, len(taken.draft_token_ids)) if taken else (0, 0)
 
-    def _build_output(
-        self, scheduled: dict[str, tuple[Request, int, KVCacheBlocks]]
-    ) -> SchedulerOutput:
+    def _build_output(self, scheduled: dict[str, _Scheduled]) -> SchedulerOutput:
         items = []
-        for rid, (request, num_new, new_blocks) in scheduled.items():
+        for rid, (request, num_new, new_blocks, drafts) in scheduled.items():
             start = request.num_computed_tokens
             is_new = rid not in self._known_to_runner
             block_ids = self.kv.get_block_ids(rid) if is_new else new_blocks.get_block_ids()
+            num_kept_blocks = self._kept_blocks.pop(rid, None)
             items.append(
                 ScheduledRequest(
                     request_id=rid,
-                    token_ids=request.all_token_ids[start : start + num_new],
+                    token_ids=request.all_token_ids[start : start + num_new] + drafts,
                     start_position=start,
                     new_block_ids=block_ids,
                     is_new=is_new,
@@ -274,11 +323,13 @@ class Scheduler:
                     sampling=request.sampling,
                     seed=request.seed,
                     num_output_tokens=request.num_output_tokens,
+                    num_draft_tokens=len(drafts),
+                    num_kept_blocks=None if is_new else num_kept_blocks,
                 )
             )
             self._known_to_runner.add(rid)
-            request.num_computed_tokens += num_new
-            self.num_computed_tokens += num_new
+            request.num_computed_tokens += num_new + len(drafts)  # drafts: until verified
+            self.num_computed_tokens += num_new + len(drafts)
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         self.num_steps += 1
         return SchedulerOutput(items, sum(len(s.token_ids) for s in items), finished)
@@ -286,7 +337,8 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        """Append sampled tokens, finish requests that stop, and report deltas."""
+        """Append sampled tokens (after drafts: every one verification kept), take rejected
+        drafts back, finish requests that stop, and report deltas."""
         self._observe_step(output)
         deltas = []
         for item in output.scheduled:
@@ -294,13 +346,34 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if token_id is None or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a chunk that did not reach the end, or a request aborted meanwhile
-            token_id = request.append_output_token(token_id)  # a grammar's budget may swap it
-            self.num_generated_tokens += 1
-            if request.check_stop(self.max_model_len):
+            token_ids = [token_id, *runner_output.extra_token_ids.get(item.request_id, ())]
+            if item.num_draft_tokens:
+                self._take_back_drafts(request, item.num_draft_tokens, len(token_ids) - 1)
+            appended = []
+            for token_id in token_ids:
+                appended.append(request.append_output_token(token_id))  # a grammar may swap it
+                self.num_generated_tokens += 1
+                if request.check_stop(self.max_model_len):
+                    break
+            if item.num_draft_tokens:
+                # stopped inside the accepted drafts: what follows the stop was never output
+                request.num_computed_tokens = request.num_tokens - 1
+            if request.is_finished:
                 self.running.remove(request)
                 self._free(request)
-            deltas.append(make_output(request, [token_id]))
+            elif item.num_draft_tokens and self.kv.trim_slots(request):
+                self._kept_blocks[request.request_id] = -(
+                    -request.num_computed_tokens // self.kv.block_size
+                )
+            deltas.append(make_output(request, appended))
         return deltas
+
+    def _take_back_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """Verification kept the first ``num_accepted`` drafts: the rest were never tokens."""
+        request.num_computed_tokens -= num_drafted - num_accepted
+        request.drafter.observe(num_drafted, num_accepted)
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
 
     def _observe_step(self, output: SchedulerOutput) -> None:
         """Tell the cost model how long the step since schedule() took (the runner's time)."""
@@ -319,6 +392,10 @@ class Scheduler:
             self.kv.hold(request)
         else:
             self.kv.free(request)
+        self._kept_blocks.pop(request.request_id, None)
+        if completed:
+            for sink in request.draft_sinks:
+                sink.add(request.output_token_ids)
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._finished_ids.add(request.request_id)
@@ -355,4 +432,6 @@ def make_output(request: Request, new_token_ids: list[int]) -> RequestOutput:
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         num_output_tokens=request.num_output_tokens,
+        num_draft_tokens=request.num_draft_tokens,
+        num_accepted_tokens=request.num_accepted_tokens,
     )

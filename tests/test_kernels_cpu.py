@@ -182,6 +182,25 @@ def test_paged_attention_avx512_equals_avx2(dtype, case):
     assert torch.equal(outs[0], outs[1])  # every lane runs the AVX2 lane's arithmetic
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_equal_the_same_rows_alone(dtype):
+    # a 20-row chunk (tiles of rows share each K/V chunk, bf16 widened once for the tile)
+    gen = torch.Generator().manual_seed(5)
+    cache = _random_cache(40, 16, 3, 64, dtype, 0, gen)
+    tables = torch.arange(1, 37).reshape(3, 12)
+    q = torch.randn(20, 9, 64, generator=gen)
+    chunk = (q, cache, [0, 20], [150], tables[1:2], torch.tensor([], dtype=torch.long), [0])
+    got = cpu.paged_attention(*chunk, 0.125, None)
+    want = ref_attention.paged_attention(q, cache.float(), *chunk[2:], 0.125, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    for r in (0, 7, 8, 19):  # the same row decoded alone: bit for bit
+        alone = cpu.paged_attention(
+            q[r : r + 1], cache, [0, 1], [131 + r], tables[1:2], torch.tensor([0]), [], 0.125
+        )
+        assert torch.equal(alone[0], got[r])
+
+
 @pytest.mark.slow
 def test_gguf_quantized_tensors_are_exact():
     from gguf import GGMLQuantizationType, GGUFReader

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -315,6 +316,14 @@ inline void prefetch_block(const T* kb, int64_t count, int64_t width, int64_t bl
   }
 }
 
+// bf16 -> fp32 (exact: the bf16 bits are the top half of the float)
+inline void widen(const float*, int64_t, float*) {}
+inline void widen(const at::BFloat16* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // Keys [lo, ends[tile_rows - 1]) for a tile of rows (ends[r]: row r's last key + 1,
 // nondecreasing) and every KV head with the `group` query heads reading it, block by block:
 // each block's K/V (whole token rows, all heads) comes from memory once for the whole tile.
@@ -325,7 +334,14 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
                  int64_t block_size, int64_t num_kv_heads, int64_t group, float scale,
                  State* states) {
   alignas(32) float score[3 * kScoreStride];
+  // one chunk's K (first half) and V (second half) as fp32, for bf16 caches and tiles of rows
+  thread_local std::vector<float> wide;
   const int64_t hi = ends[tile_rows - 1];
+  const int64_t need = 2 * static_cast<int64_t>(block_size) * num_kv_heads * D;
+  if (!std::is_same_v<T, float> && tile_rows > 1 && static_cast<int64_t>(wide.size()) < need) {
+    wide.resize(need);
+  }
+  const int64_t wide_v = need / 2;
   const int64_t token_stride = num_kv_heads * D, heads = num_kv_heads * group;
   const int64_t second = (lo / block_size + 1) * block_size;
   if (second < hi) {
@@ -342,13 +358,33 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
                         std::min(block_size, hi - ahead), token_stride, block_size);
     }
     const T* kblock = cache + table[b] * block_stride + (start - b * block_size) * token_stride;
+    if (!std::is_same_v<T, float> && tile_rows > 1) {
+      // bf16: widen the chunk's K and V to fp32 once for the whole tile (exact), so the rows'
+      // inner loops load floats instead of converting every element again
+      const int64_t n = (end - start) * token_stride;
+      widen(kblock, n, wide.data());
+      widen(kblock + block_size * token_stride, n, wide.data() + wide_v);
+      for (int64_t r = 0; r < tile_rows; ++r) {
+        const int64_t count = std::min(end, ends[r]) - start;
+        if (count <= 0) continue;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const float* kb = wide.data() + h * D;
+          fold_heads<float, D, Wide>(q + r * q_row_stride + h * group * D, kb, kb + wide_v,
+                                     count, token_stride, scale, score,
+                                     states + r * heads + h * group, group);
+        }
+      }
+      start = end;
+      continue;
+    }
     for (int64_t r = 0; r < tile_rows; ++r) {
       const int64_t count = std::min(end, ends[r]) - start;
       if (count <= 0) continue;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const T* kb = kblock + h * D;
-        fold_heads<T, D, Wide>(q + r * q_row_stride + h * group * D, kb, kb + block_size * token_stride,
-                         count, token_stride, scale, score, states + r * heads + h * group, group);
+        fold_heads<T, D, Wide>(q + r * q_row_stride + h * group * D, kb,
+                               kb + block_size * token_stride, count, token_stride, scale, score,
+                               states + r * heads + h * group, group);
       }
     }
     start = end;

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+#include <immintrin.h>
 
 #include <atomic>
 #include <chrono>
@@ -76,14 +77,46 @@ void write_kv_rows(const float* qkv, int64_t ld, int64_t rows, int64_t k_offset,
   }
 }
 
-// a = silu(g) * u from rows [g | u] of width 2 * inter
+// exp(x), x clamped to [-87, 88]: 2^n * e^r with n = round(x / ln 2), e^r by its Taylor series
+// to r^7 (relative error ~1e-7, as std::exp's within a few ulp), eight lanes at a time
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 split hi + lo
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  }
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+// a = silu(g) * u from rows [g | u] of width 2 * inter; the same arithmetic for every element
+// (the tail of a row goes through a padded vector)
 void silu_and_mul_rows(const float* gu, int64_t rows, int64_t inter, float* a) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const auto silu_mul = [&](__m256 g, __m256 u) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
+  };
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gu + r * 2 * inter;
       const float* u = g + inter;
       float* ar = a + r * inter;
-      for (int64_t i = 0; i < inter; ++i) ar[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      int64_t i = 0;
+      for (; i + 8 <= inter; i += 8) {
+        _mm256_storeu_ps(ar + i, silu_mul(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+      }
+      if (i < inter) {
+        alignas(32) float gt[8] = {}, ut[8] = {}, at[8];
+        std::memcpy(gt, g + i, sizeof(float) * (inter - i));
+        std::memcpy(ut, u + i, sizeof(float) * (inter - i));
+        _mm256_store_ps(at, silu_mul(_mm256_load_ps(gt), _mm256_load_ps(ut)));
+        std::memcpy(ar + i, at, sizeof(float) * (inter - i));
+      }
     }
   });
 }

@@ -35,25 +35,45 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kTile = 8;
 
 // Per row and group of 32: dx = amax / 127, xq = rint(x * 127 / amax), sx = dx * sum(xq).
+// Vectorized, with the scalar definition's exact results: the max and the integer sum are
+// exact in any order, and the rounding is the same round-half-to-even of the same products.
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx, float* sx) {
   const int64_t groups = k / kGroup;
+  const __m256 sign = _mm256_set1_ps(-0.f);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         const float* src = x + r * k + g * kGroup;
         int8_t* dst = xq + r * k + g * kGroup;
-        float amax = 0.f;
-        for (int i = 0; i < kGroup; ++i) amax = std::fmax(amax, std::fabs(src[i]));
-        const float d = amax / 127.f;
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int i = 0; i < kGroup; ++i) {
-          const int q = static_cast<int>(std::nearbyint(src[i] * inv));
-          dst[i] = static_cast<int8_t>(q);
-          sum += q;
+        __m256 v[4];
+        __m256 m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; ++j) {
+          v[j] = _mm256_loadu_ps(src + 8 * j);
+          m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
         }
+        m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+        const float amax = _mm256_cvtss_f32(m);
+        const float d = amax / 127.f;
+        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i sum = _mm256_setzero_si256();
+        __m256i q[4];
+        for (int j = 0; j < 4; ++j) {
+          // rint in the default rounding mode (to nearest even), as std::nearbyint
+          q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+          sum = _mm256_add_epi32(sum, q[j]);
+        }
+        // int32 -> int8 (|q| <= 127): pack to 16 then 8 bits, undoing the lane interleave
+        const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), p);
+        alignas(32) int32_t s[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(s), sum);
+        const int total = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
         dx[r * groups + g] = d;
-        sx[r * groups + g] = d * static_cast<float>(sum);
+        sx[r * groups + g] = d * static_cast<float>(total);
       }
     }
   });

@@ -1,10 +1,10 @@
 """Device ops behind one dispatch.
 
-``ref`` (PyTorch, runs on CPU, ground truth), ``cpu`` (compiled C++ for AVX2 CPUs: quantized
-linear layers, in-place paged attention and a fused decoder layer) and, later, ``triton`` (GPU)
-export the same functions with the same signatures. ``AGENTX_KERNELS=auto|ref|cpu|triton``
-picks the backend, read once at import; ``auto`` uses ``cpu`` for the ops it has when it builds
-and loads here, else ``ref``.
+``ref`` (PyTorch, runs on CPU, ground truth), ``cpu`` (compiled C++ for AVX2 / AVX-512 CPUs:
+quantized linear layers, in-place paged attention and a fused decoder layer) and, later,
+``triton`` (GPU) export the same functions with the same signatures.
+``AGENTX_KERNELS=auto|ref|cpu|triton`` picks the backend, read once at import; ``auto`` uses
+``cpu`` for the ops it has when it builds and loads here, else ``ref``.
 The C++ library is built and loaded on the first call of one of its ops (or by
 :func:`prepare`), not at import, so ``import agentx`` stays cheap.
 """

@@ -4,8 +4,10 @@ The sources compile once per installation into ``agentx/kernels/cpu/_build/<hash
 ``<AGENTX_CACHE_DIR>/kernels/<hash>/`` when the package folder is read-only; the hash covers the
 sources, the flags and the torch version, so an edit or an upgrade rebuilds) with torch's C++
 extension builder; later processes only load the shared library. ``make`` builds it at
-install (``python -m agentx.kernels.cpu``). The kernels need AVX2 and FMA: elsewhere, or
-when the build fails, :func:`load` returns False and callers use the reference kernels.
+install (``python -m agentx.kernels.cpu``). The kernels need AVX2 and FMA (their AVX-512 VNNI
+versions are compiled alongside with per-function target attributes and chosen at run time where
+the CPU has them, see ``kernel_isa``): elsewhere, or when the build fails, :func:`load`
+returns False and callers use the reference kernels.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.core = EngineCore(self.config)
+        self.core.wait_when_idle = False  # the loop waits outside its step lock (_loop_once)
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
         self._cond = threading.Condition()
@@ -292,7 +293,10 @@ class Engine:
             for op in controls:
                 op(self.core)
             outputs += self.core.step()
+            idle = self.core.is_idle
         self._dispatch(outputs)
+        if idle:  # waiting on a transfer or a tool's return: never with the step lock held
+            self.core.offload.idle_wait()
         return True
 
     def _has_work(self) -> bool:

@@ -25,7 +25,8 @@ from agentx.engine.kv_cache.retention import make_retention
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.tokenizer import Tokenizer
-from agentx.engine.offload.build import layout_fingerprint, store_from_config
+from agentx.engine.offload.build import store_from_config
+from agentx.engine.offload.fingerprint import checkpoint_digest, page_fingerprint
 from agentx.engine.offload.interface import KVExport, NullOffload, Offload
 from agentx.engine.offload.manager import OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
@@ -90,6 +91,7 @@ class EngineCore:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.spec = checkpoint.spec
         self.runner = ModelRunner(config, checkpoint.spec, checkpoint.weights)
+        checkpoint_path = checkpoint.path
         del checkpoint
         self.max_model_len = self.runner.max_model_len
         cache = config.cache
@@ -101,12 +103,25 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.offload: Offload = NullOffload()
         if config.offload.enabled:
-            fingerprint = layout_fingerprint(
-                str(config.model), config.dtype, self.runner.layout, self.spec.architecture
+            fingerprint = page_fingerprint(
+                checkpoint_digest(checkpoint_path),
+                config.dtype,
+                config.quantization,
+                self.runner.layout,
+                self.spec.architecture,
             )
             store, master = store_from_config(config.offload, self.runner.page_bytes, fingerprint)
-            if store is not None:
-                self.offload = OffloadManager(store, self.kv, self.runner, config.offload, master)
+            try:
+                if store is not None:
+                    self.offload = OffloadManager(
+                        store, self.kv, self.runner, config.offload, master
+                    )
+            except BaseException:  # nothing started for this engine outlives its failure
+                if store is not None:
+                    store.close()
+                if master is not None:
+                    master.stop()
+                raise
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.spec.eos_token_ids
         )
@@ -115,6 +130,8 @@ class EngineCore:
         self._grammar: GrammarBackend | None = None  # built by prepare() or on first use
         self._grammar_lock = threading.Lock()
         self._mask_worker: ThreadPoolExecutor | None = None
+        self.is_idle = False  # the last step had nothing to schedule
+        self.wait_when_idle = True
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -276,11 +293,16 @@ class EngineCore:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. With nothing to schedule it waits a little for a transfer, unless
+        ``wait_when_idle`` is off: the client then waits itself, outside its step lock
+        (``is_idle`` says the step was idle)."""
         self._requeue(self.offload.poll() + self.offload.take_ready())
         sched_out = self.scheduler.schedule()
+        self.is_idle = sched_out.is_empty
         if sched_out.is_empty:
             self.runner.forget(sched_out.finished_request_ids)
-            self.offload.idle_wait()
+            if self.wait_when_idle:
+                self.offload.idle_wait()
             return []
         masks = self._grammar_masks(sched_out)
         runner_out = self.runner.execute(sched_out, masks)

@@ -228,8 +228,11 @@ class Scheduler:
                 break  # the pool is full; running requests will free blocks
             self.waiting.pop()
             if request.held_kv is not None:
-                # adopted or stale: either way the handle is spent once its request runs
-                self.kv.release_held(request.held_kv)
+                # adopted or stale: either way the handle is spent once its request runs (held
+                # KV of another cache salt is not this request's to spend: it is left alone)
+                held = self.kv.get_held(request.held_kv)
+                if held is not None and held.cache_salt == request.cache_salt:
+                    self.kv.release_held(request.held_kv)
                 request.held_kv = None
             self.running.append(request)
             if request.num_cached_tokens < 0:

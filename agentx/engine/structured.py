@@ -54,8 +54,17 @@ class StructuredOutput:
                 f"StructuredOutput takes exactly one of json_schema, regex, choice, grammar; "
                 f"got {given or 'none'}"
             )
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"{name} must be a str, got {getattr(self, name)!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict | str):
+            raise InvalidRequestError(
+                f"json_schema must be a dict or JSON text, got {self.json_schema!r}"
+            )
         if self.choice is not None:
-            if isinstance(self.choice, str | bytes):  # tuple("abc") would be three choices
+            if isinstance(self.choice, str | bytes) or not hasattr(
+                self.choice, "__iter__"
+            ):  # tuple("abc") would be three choices
                 raise InvalidRequestError(
                     f"choice must be a sequence of strings, got the string {self.choice!r}"
                 )

@@ -33,8 +33,9 @@ _ARGS_HEADERS = {"args:", "arguments:", "parameters:", "params:"}
 _ARG_LINE = re.compile(r"^\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
 
 
-class ToolArgumentsError(ValueError):
-    """A call's arguments do not match the tool's schema; the message is meant for the model."""
+class ToolArgumentsError(InvalidRequestError):
+    """A call's arguments do not match the tool's schema; the message is meant for the model.
+    (An InvalidRequestError, so also a ValueError.)"""
 
     def __init__(self, tool_name: str, detail: str) -> None:
         super().__init__(f"invalid arguments for tool {tool_name!r}: {detail}")

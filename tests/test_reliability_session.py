@@ -178,3 +178,19 @@ async def test_run_loop_with_a_hung_tool_finishes(default_engine):
     finally:
         release.set()
     assert wait_idle(default_engine).kv_num_held == 0
+
+
+async def test_a_session_dropped_without_close_releases_its_kv(default_engine):
+    import gc
+
+    s = Session(default_engine, sampling=SHORT)
+    await s.send("Name a color.")
+    s.hint(pin=True)
+    await s.send("Another.")
+    children = await s.fork(2)
+    assert wait_idle(default_engine).kv_num_held == 3
+    del s, children  # abandoned: never closed
+    gc.collect()
+    stats = wait_idle(default_engine)
+    assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+    default_engine.check_integrity()

@@ -19,6 +19,7 @@ only what the grammar allows, so the calls parse and validate, or the answer is 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import anyio
@@ -57,6 +58,22 @@ DEFAULT_TOOL_TIMEOUT_S = 300.0
 
 
 @dataclass(slots=True)
+class _Owed:
+    """The engine and the held-KV handle a session would release on close."""
+
+    engine: Engine | None = None
+    handle: str | None = None
+
+
+def _release_owed(owed: _Owed) -> None:
+    """A session was collected without close(): release its held KV (any thread; the engine
+    takes it on its next loop)."""
+    if owed.engine is not None and owed.handle is not None and not owed.engine.closed:
+        owed.engine.release_held_soon(owed.handle)
+        owed.handle = None
+
+
+@dataclass(slots=True)
 class _OpenTurn:
     """The open turn: what an abort restores, and the request it has in flight."""
 
@@ -80,6 +97,10 @@ class Session:
     ) -> None:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        # what this session holds in the engine; a session dropped without close() gives it
+        # back when it is collected (the finalizer holds the record, never the session)
+        self._owed = _Owed()
+        weakref.finalize(self, _release_owed, self._owed)
         self._engine = engine
         self.cache_salt = cache_salt  # isolates this session's (and its forks') cached KV
         self.system = system
@@ -90,7 +111,7 @@ class Session:
         self._messages: list[Message] = []
         self._pending: list[dict] = []  # tool results and messages for the next turn
         self._open_calls: dict[str, ToolCall] = {}
-        self._held_kv: str | None = None  # the handle of the last turn's held KV
+        self._held_kv = None  # the handle of the last turn's held KV (kept in _owed)
         self._turn: _OpenTurn | None = None  # the open turn (turn.py, tool_stream.py)
         self._closed = False
         self._parent: Session | None = None
@@ -103,6 +124,22 @@ class Session:
         self.total_usage = Usage()  # own turns plus every descendant's
 
     # ---- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def _engine(self) -> Engine | None:
+        return self._owed.engine
+
+    @_engine.setter
+    def _engine(self, engine: Engine | None) -> None:
+        self._owed.engine = engine
+
+    @property
+    def _held_kv(self) -> str | None:
+        return self._owed.handle
+
+    @_held_kv.setter
+    def _held_kv(self, handle: str | None) -> None:
+        self._owed.handle = handle
 
     @property
     def engine(self) -> Engine:

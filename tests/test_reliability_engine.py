@@ -15,6 +15,7 @@ from agentx import (
     Engine,
     EngineConfig,
     InvalidRequestError,
+    RequestAbortedError,
     SamplingParams,
     SamplingParamsError,
 )
@@ -226,3 +227,44 @@ def test_a_failed_construction_leaves_no_transfer_thread(monkeypatch):
     with pytest.raises(RuntimeError, match="refused"):
         Engine(EngineConfig(cache=POOL, offload=OffloadConfig(host_bytes=16 << 20)))
     wait_for(lambda: not [t for t in threading.enumerate() if t not in before and t.is_alive()])
+
+
+def test_a_request_parked_for_a_tier_load_spends_its_stale_held_kv(prompt, tmp_path):
+    """Found by the soak: a turn whose held KV no longer continued its prompt (a rolled-back
+    tool stream) loaded its prefix from a tier, took the loaded KV in place of the stale one,
+    and the stale one stayed held forever."""
+    offload = OffloadConfig(disk_path=tmp_path)
+    with Engine(EngineConfig(cache=POOL, offload=offload)) as a:
+        a.add_request(prompt, GREEDY).result(timeout=60)
+        with a._step_lock:
+            a.core.offload.flush()
+    with Engine(EngineConfig(cache=POOL, offload=offload)) as b:
+        other = b.tokenizer.encode("A recipe for bread and butter " * 10)[:40]
+        stale = b.add_request(other, GREEDY, hold_kv=True)
+        stale.result(timeout=60)
+        out = b.add_request(prompt, GREEDY, held_kv=stale.request_id).result(timeout=60)
+        assert out.usage.cached_tokens == 96  # 6 blocks loaded from disk
+        assert_idle(b)
+
+
+def test_close_stops_the_grammar_mask_thread():
+    """Found by the soak: each engine that ran a constrained request left a thread behind."""
+    with Engine(EngineConfig(cache=POOL)) as engine:
+        sampling = SamplingParams(max_tokens=3, structured=StructuredOutput(choice=("yes", "no")))
+        engine.add_request("Answer:", sampling).result(timeout=60)
+        assert any(t.name.startswith("agentx-grammar") for t in threading.enumerate())
+    assert not any(t.name.startswith("agentx-grammar") for t in threading.enumerate())
+
+
+def test_a_request_aborted_before_it_ran_spends_the_held_kv_it_named(engine, prompt):
+    """Found by the soak: a streamed tool result's next chunk, cancelled before the engine
+    admitted it, left the previous chunk's held KV behind (nobody names it any more)."""
+    first = engine.add_request(prompt, GREEDY, hold_kv=True)
+    first.result(timeout=60)
+    follow = prompt + first.token_ids + [42]
+    with engine._cond:  # queued with its abort: the loop sees both before it schedules
+        second = engine.add_request(follow, GREEDY, hold_kv=True, held_kv=first.request_id)
+        engine.abort(second.request_id)
+    with pytest.raises(RequestAbortedError):
+        second.result(timeout=60)
+    assert_idle(engine)

@@ -271,6 +271,11 @@ class EngineCore:
             if request is None:
                 self.kv.release_held(handle)  # aborted while it loaded
             elif handle in self.kv.held:
+                # the held KV it named did not continue its prompt (that is why it loaded): it
+                # is spent, as admission would have spent it, before the loaded one replaces it
+                stale = self.kv.get_held(request.held_kv)
+                if stale is not None and stale.cache_salt == request.cache_salt:
+                    self.kv.release_held(request.held_kv)
                 request.held_kv = handle
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -289,6 +294,8 @@ class EngineCore:
 
     def close(self) -> None:
         self.offload.close()
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=True)
 
     # ---- one step ----------------------------------------------------------------------------
 

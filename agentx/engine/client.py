@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
@@ -271,7 +272,9 @@ class Engine:
         else:
             with self._step_lock:  # give every block back, so a closed engine leaks nothing
                 self.core.abort_requests(list(self.core.scheduler.requests))
-            self._fail_all(EngineClosedError("the engine was closed before the request finished"))
+            self._fail_all(
+                lambda: EngineClosedError("the engine was closed before the request finished")
+            )
         finally:
             self.core.close()
 
@@ -317,18 +320,27 @@ class Engine:
                 stream.put(out)
 
     def _die(self, exc: BaseException) -> None:
+        # The traceback's frames hold the loop's locals (this engine, its core and model): it
+        # is kept as text on the exception, so a caller still holding a failed stream or the
+        # error does not keep a dead engine's memory alive.
+        exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
+        exc.__traceback__ = None
         with self._cond:
             self._dead = exc
-        error = EngineDeadError(f"the engine loop crashed: {exc!r}")
-        error.__cause__ = exc
+
+        def error() -> EngineDeadError:  # one per stream: each is raised in its own frames
+            dead = EngineDeadError(f"the engine loop crashed: {exc!r}")
+            dead.__cause__ = exc
+            return dead
+
         self._fail_all(error)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: Callable[[], BaseException]) -> None:
         with self._cond:
             streams, self._streams = self._streams, {}
             self._new.clear()
         for stream in streams.values():
-            stream.fail(error)
+            stream.fail(error())
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

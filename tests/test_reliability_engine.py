@@ -268,3 +268,65 @@ def test_a_request_aborted_before_it_ran_spends_the_held_kv_it_named(engine, pro
     with pytest.raises(RequestAbortedError):
         second.result(timeout=60)
     assert_idle(engine)
+
+
+def test_no_tier_serves_one_salt_to_another(engine):
+    from agentx.engine.request import RequestOptions
+
+    text = engine.tokenizer.encode("Salted prefixes stay with their tenant. " * 20)[:90]
+    engine.add_request(text, GREEDY, cache_salt="tenant-x").result(timeout=60)
+    offload = engine.core.offload
+    with engine._step_lock:
+        offload.flush()
+
+    def hashes(salt):
+        options = RequestOptions(cache_salt=salt)
+        return engine.core.make_request("probe", text, GREEDY, options=options).block_hashes
+
+    assert offload.store.lookup(hashes("tenant-x")).num_hits == 5
+    assert offload.store.lookup(hashes("tenant-y")).num_hits == 0
+    assert offload.store.lookup(hashes(None)).num_hits == 0
+    other = engine.add_request(text, GREEDY, cache_salt="tenant-y").result(timeout=60)
+    assert other.usage.cached_tokens == 0
+    assert_idle(engine)
+
+
+def test_a_disk_folder_of_another_layout_is_never_read(prompt, tmp_path):
+    offload = OffloadConfig(disk_path=tmp_path)
+    with Engine(EngineConfig(cache=POOL, offload=offload)) as a:
+        a.add_request(prompt, GREEDY).result(timeout=60)
+        with a._step_lock:
+            a.core.offload.flush()
+        folder_a = a.core.offload.store.get_tier("disk").folder
+    config = EngineConfig(cache=POOL, offload=offload, quantization="none")
+    with Engine(config) as b:  # fp32 weights and KV: other pages
+        b.add_request(prompt, GREEDY).result(timeout=60)
+        assert b.stats().offload_loaded_blocks == 0
+        assert b.core.offload.store.get_tier("disk").folder != folder_a
+
+
+def test_a_dead_engine_is_freed_while_its_failed_streams_are_kept():
+    """Found by the soak: each crashed engine stayed in memory (~200 MiB) as long as anyone
+    kept a stream it failed: the error's traceback held the loop's frames."""
+    import gc
+    import weakref
+
+    from agentx import EngineDeadError
+
+    engine = Engine(EngineConfig(cache=POOL))
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("injected fault inside a step")
+
+    engine.core.runner.execute = crash
+    streams = [engine.add_request("hello", GREEDY) for _ in range(2)]
+    for stream in streams:
+        with pytest.raises(EngineDeadError) as info:
+            stream.result(timeout=60)
+        assert "injected fault" in str(info.value.__cause__)
+        assert "crash" in "".join(info.value.__cause__.__notes__)  # the traceback, as text
+    engine.close()
+    ref = weakref.ref(engine)
+    del engine, crash, info
+    gc.collect()
+    assert ref() is None

@@ -107,7 +107,7 @@ def test_sampling_params_accept_or_raise_sampling_params_error(fields):
     except SamplingParamsError:
         return
     t = params.temperature
-    assert t == 0 or (math.isfinite(t) and t >= 1e-3)
+    assert t == 0 or (math.isfinite(t) and t >= 1e-5)
     assert isinstance(params.max_tokens, int) and params.max_tokens > 0
     assert 0 < params.top_p <= 1
 

@@ -12,7 +12,7 @@ from agentx.engine.structured import StructuredOutput
 from agentx.errors import SamplingParamsError
 
 # logits / temperature must stay finite in float32 (|logits| ~ 1e2): 0 means greedy
-MIN_TEMPERATURE = 1e-3
+MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
 
 

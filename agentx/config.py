@@ -41,6 +41,13 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        # first: the checks below divide by it
+        if (
+            not isinstance(self.block_size, int)
+            or self.block_size <= 0
+            or self.block_size & (self.block_size - 1)
+        ):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(
                 "kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', "
@@ -140,6 +147,9 @@ class OffloadConfig:
     # one; None: no Mooncake tier. Run it inside a private network namespace (DEVELOPERS.md).
     mooncake: str | None = None
     mooncake_bytes: int = 1 << 30
+    # Mooncake clients (and a started master) bind every interface: outside a private network
+    # namespace they refuse to start unless this is True (a pool shared across machines).
+    mooncake_allow_network: bool = False
     # A session waiting on a tool with a latency hint is prefetched back this long before
     # the tool is expected to return.
     prefetch_margin_s: float = 0.5

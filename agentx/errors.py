@@ -8,7 +8,9 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     ├── ModelLoadError         the checkpoint cannot be read (bad file, unknown architecture)
     ├── InvalidRequestError    a request is rejected before anything is scheduled
     │   ├── PromptTooLongError     longer than the model context or than the KV pool can ever hold
-    │   └── SamplingParamsError    a bad sampling value (temperature, top_p, max_tokens, ...)
+    │   ├── SamplingParamsError    a bad sampling value (temperature, top_p, max_tokens, ...)
+    │   └── ToolArgumentsError     a tool call's arguments do not match the tool's schema
+    │                              (defined in agentx.session.tools; its message is for the model)
     ├── RequestAbortedError    the request was aborted (by the caller or by cancellation)
     ├── EngineClosedError      a request arrived after the engine was closed
     ├── EngineDeadError        the engine loop crashed; every waiting request fails with this
@@ -24,6 +26,10 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
 
 ``InvalidRequestError``, ``ConfigError`` and ``TraceError`` are also ``ValueError`` so that code
 that already catches ``ValueError`` for bad input keeps working.
+
+Bad input never reaches the engine loop thread: requests, options, hints (``ToolLatency``
+seconds must be finite and at most a day) and sampling values are checked on the caller's
+thread, so one bad request cannot kill the engine for every other caller.
 """
 
 from __future__ import annotations

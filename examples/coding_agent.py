@@ -68,6 +68,10 @@ class Workspace:
             raise FileNotFoundError(f"no such file or directory: {path!r}")
         return target
 
+    def inside(self, path: Path) -> bool:
+        """``path``, with every symlink followed, is under the root."""
+        return path.resolve().is_relative_to(self.root)
+
     def show(self, path: Path) -> str:
         return str(path.relative_to(self.root)) or "."
 
@@ -118,6 +122,8 @@ class Workspace:
     def text_files(self, target: Path):
         files = [target] if target.is_file() else sorted(target.rglob("*"))
         for file in files:
+            if not self.inside(file):  # a symlink out of the root: read_file refuses it too
+                continue
             if file.is_file() and self.visible(file) and file.stat().st_size <= MAX_FILE_BYTES:
                 if b"\0" not in file.read_bytes()[:1024]:
                     yield file

@@ -15,6 +15,10 @@ from typing import Any
 from agentx.errors import TraceError
 
 _MISSING = object()
+# A trace counts tokens and seconds: past these a value is a typo (or 1e300), and replaying it
+# would build prompts (or waits) no machine holds.
+MAX_INT = 1 << 31
+MAX_FLOAT = 1e12
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +51,9 @@ class Where:
             raise self.fail(key, "missing")
         return value
 
-    def get_int(self, key: str, default: Any = _MISSING, *, minimum: int = 0) -> int:
+    def get_int(
+        self, key: str, default: Any = _MISSING, *, minimum: int = 0, maximum: int = MAX_INT
+    ) -> int:
         value = self._get(key, default)
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -55,6 +61,8 @@ class Where:
             raise self.fail(key, f"expected an integer, got {_kind(value)}")
         if value < minimum:
             raise self.fail(key, f"expected an integer >= {minimum}, got {value}")
+        if value > maximum:
+            raise self.fail(key, f"expected an integer <= {maximum}, got {value:.3g}")
         return value
 
     def get_float(
@@ -65,8 +73,8 @@ class Where:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.fail(key, f"expected a number, got {_kind(value)}")
-        if not math.isfinite(value) or value < 0:
-            raise self.fail(key, f"expected a finite number >= 0, got {value}")
+        if not math.isfinite(value) or value < 0 or value > MAX_FLOAT:
+            raise self.fail(key, f"expected a number in [0, {MAX_FLOAT:g}], got {value:.3g}")
         return float(value)
 
     def get_str(self, key: str, default: Any = _MISSING, *, optional: bool = False) -> str | None:

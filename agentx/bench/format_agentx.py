@@ -51,8 +51,8 @@ def load_agentx(path: str | Path) -> Trace:
 
 def _read_objects(path: Path):
     try:
-        text = path.read_text()
-    except OSError as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read: {exc}") from exc
     if path.suffix == ".jsonl":
         for i, line in enumerate(text.splitlines(), 1):
@@ -72,6 +72,8 @@ def _parse(path: Path, record: str, text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{path}: {record}: invalid JSON: {exc}") from exc
+    except RecursionError:
+        raise TraceError(f"{path}: {record}: invalid JSON: nested too deeply") from None
 
 
 def _session(where: Where, index: int) -> SessionTrace:

@@ -22,8 +22,8 @@ MOONCAKE_BLOCK_SIZE = 512
 def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read: {exc}") from exc
     sessions = []
     for i, line in enumerate(lines, 1):
@@ -33,6 +33,8 @@ def load_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK_SIZE) -> Tr
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise TraceError(f"{path}: line {i}: invalid JSON: {exc}") from exc
+        except RecursionError:
+            raise TraceError(f"{path}: line {i}: invalid JSON: nested too deeply") from None
         where = Where.of(str(path), f"line {i}", obj)
         request = TraceRequest(
             t=0.0,

@@ -21,11 +21,11 @@ def load_trace(path: str | Path) -> Trace:
 
 def _first_record_is_mooncake(path: Path) -> bool:
     try:
-        with path.open() as f:
+        with path.open(encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     obj = json.loads(line)
                     return isinstance(obj, dict) and "input_length" in obj
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # ValueError: JSON and UTF-8 errors
         return False  # the AgentX loader reports the problem with its location
     return False

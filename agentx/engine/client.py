@@ -19,6 +19,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
@@ -46,6 +47,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.core = EngineCore(self.config)
+        self.core.wait_when_idle = False  # the loop waits outside its step lock (_loop_once)
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
         self._cond = threading.Condition()
@@ -270,7 +272,9 @@ class Engine:
         else:
             with self._step_lock:  # give every block back, so a closed engine leaks nothing
                 self.core.abort_requests(list(self.core.scheduler.requests))
-            self._fail_all(EngineClosedError("the engine was closed before the request finished"))
+            self._fail_all(
+                lambda: EngineClosedError("the engine was closed before the request finished")
+            )
         finally:
             self.core.close()
 
@@ -292,7 +296,10 @@ class Engine:
             for op in controls:
                 op(self.core)
             outputs += self.core.step()
+            idle = self.core.is_idle
         self._dispatch(outputs)
+        if idle:  # waiting on a transfer or a tool's return: never with the step lock held
+            self.core.offload.idle_wait()
         return True
 
     def _has_work(self) -> bool:
@@ -313,18 +320,27 @@ class Engine:
                 stream.put(out)
 
     def _die(self, exc: BaseException) -> None:
+        # The traceback's frames hold the loop's locals (this engine, its core and model): it
+        # is kept as text on the exception, so a caller still holding a failed stream or the
+        # error does not keep a dead engine's memory alive.
+        exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
+        exc.__traceback__ = None
         with self._cond:
             self._dead = exc
-        error = EngineDeadError(f"the engine loop crashed: {exc!r}")
-        error.__cause__ = exc
+
+        def error() -> EngineDeadError:  # one per stream: each is raised in its own frames
+            dead = EngineDeadError(f"the engine loop crashed: {exc!r}")
+            dead.__cause__ = exc
+            return dead
+
         self._fail_all(error)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: Callable[[], BaseException]) -> None:
         with self._cond:
             streams, self._streams = self._streams, {}
             self._new.clear()
         for stream in streams.values():
-            stream.fail(error)
+            stream.fail(error())
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

@@ -26,7 +26,8 @@ from agentx.engine.kv_cache.retention import make_retention
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.tokenizer import Tokenizer
-from agentx.engine.offload.build import layout_fingerprint, store_from_config
+from agentx.engine.offload.build import store_from_config
+from agentx.engine.offload.fingerprint import checkpoint_digest, page_fingerprint
 from agentx.engine.offload.interface import KVExport, NullOffload, Offload
 from agentx.engine.offload.manager import OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
@@ -91,6 +92,7 @@ class EngineCore:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.spec = checkpoint.spec
         self.runner = ModelRunner(config, checkpoint.spec, checkpoint.weights)
+        checkpoint_path = checkpoint.path
         del checkpoint
         self.max_model_len = self.runner.max_model_len
         cache = config.cache
@@ -102,12 +104,25 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.offload: Offload = NullOffload()
         if config.offload.enabled:
-            fingerprint = layout_fingerprint(
-                str(config.model), config.dtype, self.runner.layout, self.spec.architecture
+            fingerprint = page_fingerprint(
+                checkpoint_digest(checkpoint_path),
+                config.dtype,
+                config.quantization,
+                self.runner.layout,
+                self.spec.architecture,
             )
             store, master = store_from_config(config.offload, self.runner.page_bytes, fingerprint)
-            if store is not None:
-                self.offload = OffloadManager(store, self.kv, self.runner, config.offload, master)
+            try:
+                if store is not None:
+                    self.offload = OffloadManager(
+                        store, self.kv, self.runner, config.offload, master
+                    )
+            except BaseException:  # nothing started for this engine outlives its failure
+                if store is not None:
+                    store.close()
+                if master is not None:
+                    master.stop()
+                raise
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.spec.eos_token_ids
         )
@@ -120,6 +135,8 @@ class EngineCore:
         # a linear state cannot roll back rejected drafts: such layouts never draft
         self._speculate = spec.enabled and not self.kv.coordinator.has_linear
         self.draft_source = DraftSource(spec.num_engine_outputs)  # recent outputs, engine-wide
+        self.is_idle = False  # the last step had nothing to schedule
+        self.wait_when_idle = True
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -274,6 +291,11 @@ class EngineCore:
             if request is None:
                 self.kv.release_held(handle)  # aborted while it loaded
             elif handle in self.kv.held:
+                # the held KV it named did not continue its prompt (that is why it loaded): it
+                # is spent, as admission would have spent it, before the loaded one replaces it
+                stale = self.kv.get_held(request.held_kv)
+                if stale is not None and stale.cache_salt == request.cache_salt:
+                    self.kv.release_held(request.held_kv)
                 request.held_kv = handle
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -292,15 +314,22 @@ class EngineCore:
 
     def close(self) -> None:
         self.offload.close()
+        if self._mask_worker is not None:
+            self._mask_worker.shutdown(wait=True)
 
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step. With nothing to schedule it waits a little for a transfer, unless
+        ``wait_when_idle`` is off: the client then waits itself, outside its step lock
+        (``is_idle`` says the step was idle)."""
         self._requeue(self.offload.poll() + self.offload.take_ready())
         sched_out = self.scheduler.schedule()
+        self.is_idle = sched_out.is_empty
         if sched_out.is_empty:
             self.runner.forget(sched_out.finished_request_ids)
-            self.offload.idle_wait()
+            if self.wait_when_idle:
+                self.offload.idle_wait()
             return []
         masks = self._grammar_masks(sched_out)
         runner_out = self.runner.execute(sched_out, masks)

@@ -9,7 +9,26 @@ policy may read them) but nothing in this engine acts on them yet.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from agentx.errors import InvalidRequestError
+
+# A tool latency past a day is not a plan the tiers can act on; rejecting it keeps a typo
+# (or inf) from parking a prefetch forever.
+MAX_TOOL_LATENCY_S = 86_400.0
+
+
+def _check_int(owner: str, field: str, value: object, minimum: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{owner}.{field} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidRequestError(f"{owner}.{field} must be >= {minimum}, got {value}")
+
+
+def _check_bool(owner: str, field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{owner}.{field} must be a bool, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,12 +37,24 @@ class ToolLatency:
 
     seconds: float
 
+    def __post_init__(self) -> None:
+        value = self.seconds
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequestError(f"ToolLatency.seconds must be a number, got {value!r}")
+        if not (math.isfinite(value) and 0.0 <= value <= MAX_TOOL_LATENCY_S):
+            raise InvalidRequestError(
+                f"ToolLatency.seconds must be finite, in [0, {MAX_TOOL_LATENCY_S:g}], got {value}"
+            )
+
 
 @dataclass(frozen=True, slots=True)
 class BranchPoint:
     """This prefix will be forked ``num_forks`` times. Advisory: nothing acts on it yet."""
 
     num_forks: int
+
+    def __post_init__(self) -> None:
+        _check_int("BranchPoint", "num_forks", self.num_forks, minimum=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +64,18 @@ class TurnsLeft:
 
     num_turns: int
 
+    def __post_init__(self) -> None:
+        _check_int("TurnsLeft", "num_turns", self.num_turns, minimum=0)
+
 
 @dataclass(frozen=True, slots=True)
 class Priority:
     """Lower runs first (the engine's priority queue); 0 is the default."""
 
     level: int
+
+    def __post_init__(self) -> None:
+        _check_int("Priority", "level", self.level)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +84,9 @@ class Pin:
 
     pinned: bool = True
 
+    def __post_init__(self) -> None:
+        _check_bool("Pin", "pinned", self.pinned)
+
 
 @dataclass(frozen=True, slots=True)
 class Release:
@@ -54,7 +94,11 @@ class Release:
 
     drop_cached: bool = True
 
+    def __post_init__(self) -> None:
+        _check_bool("Release", "drop_cached", self.drop_cached)
+
 
 Hint = ToolLatency | BranchPoint | TurnsLeft | Priority | Pin | Release
+HINT_TYPES = (ToolLatency, BranchPoint, TurnsLeft, Priority, Pin, Release)
 
 __all__ = ["BranchPoint", "Hint", "Pin", "Priority", "Release", "ToolLatency", "TurnsLeft"]

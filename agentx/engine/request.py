@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from agentx.engine.draft import Drafter, DraftSource
-from agentx.engine.hints import Hint
+from agentx.engine.hints import HINT_TYPES, Hint
 from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.structured import GrammarMatcher
@@ -36,9 +36,26 @@ class RequestOptions:
     draft_source: DraftSource | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.priority, int):
+        # checked here, on the caller's thread: a bad value reaching the loop thread (an
+        # unhashable held_kv is a dict key there) would kill the engine for every caller
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise InvalidRequestError(f"priority must be an int, got {self.priority!r}")
-        object.__setattr__(self, "hints", tuple(self.hints))
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str or None, got {self.cache_salt!r}")
+        if not isinstance(self.hold_kv, bool):
+            raise InvalidRequestError(f"hold_kv must be a bool, got {self.hold_kv!r}")
+        if self.held_kv is not None and not isinstance(self.held_kv, str):
+            raise InvalidRequestError(f"held_kv must be a handle (str) or None: {self.held_kv!r}")
+        if isinstance(self.hints, str | bytes | dict):
+            raise InvalidRequestError(f"hints must be a sequence of hints, got {self.hints!r}")
+        try:
+            hints = tuple(self.hints)
+        except TypeError:
+            raise InvalidRequestError(f"hints must be a sequence, got {self.hints!r}") from None
+        bad = [h for h in hints if not isinstance(h, HINT_TYPES)]
+        if bad:
+            raise InvalidRequestError(f"not hints: {bad[:3]!r}")
+        object.__setattr__(self, "hints", hints)
 
 
 class RequestStatus(enum.IntEnum):
@@ -145,7 +162,10 @@ class Request:
         """Finish the request if its last token ends it. Returns True if it did."""
         last = self.all_token_ids[-1]
         sampling = self.sampling
-        if self.grammar is not None and self.grammar.budget_closed and self.grammar.is_terminated:
+        if self.grammar is not None and self.grammar.is_error:
+            # the matcher rejected a token: the output is not what the grammar promised
+            self.status, self.stop_reason = RequestStatus.FINISHED_ERROR, "grammar_error"
+        elif self.grammar is not None and self.grammar.budget_closed and self.grammar.is_terminated:
             # complete and valid, but the budget chose where it ended
             self.status, self.stop_reason = RequestStatus.FINISHED_LENGTH, "grammar_budget"
         elif self.grammar is not None and self.grammar.is_terminated:

@@ -30,6 +30,10 @@ from agentx.errors import InvalidRequestError
 if TYPE_CHECKING:
     import llguidance
 
+# Compiled grammars (and their completion searches) kept per backend, least recently used
+# dropped first: every distinct schema a caller sends would otherwise stay forever.
+MAX_COMPILED_GRAMMARS = 256
+
 __all__ = ["COMPACT_JSON", "GrammarBackend", "GrammarMatcher", "StructuredOutput", "compact_json"]
 
 
@@ -50,7 +54,20 @@ class StructuredOutput:
                 f"StructuredOutput takes exactly one of json_schema, regex, choice, grammar; "
                 f"got {given or 'none'}"
             )
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"{name} must be a str, got {getattr(self, name)!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict | str):
+            raise InvalidRequestError(
+                f"json_schema must be a dict or JSON text, got {self.json_schema!r}"
+            )
         if self.choice is not None:
+            if isinstance(self.choice, str | bytes) or not hasattr(
+                self.choice, "__iter__"
+            ):  # tuple("abc") would be three choices
+                raise InvalidRequestError(
+                    f"choice must be a sequence of strings, got the string {self.choice!r}"
+                )
             choice = tuple(self.choice)
             if not all(isinstance(c, str) and c for c in choice):
                 raise InvalidRequestError("choice must be non-empty strings")
@@ -104,6 +121,7 @@ class GrammarMatcher:
     def __init__(self, matcher: llguidance.LLMatcher, budget: GrammarBudget | None = None) -> None:
         self._matcher = matcher
         self.budget = budget
+        self.failed = False  # a committed token was rejected
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bits of the next position into ``bitmask[row]`` (a CPU
@@ -127,9 +145,18 @@ class GrammarMatcher:
         """Consume a sampled token, or the token the budget puts in its place (see
         ``GrammarBudget.commit``); returns the token consumed."""
         if self.budget is None:
-            self._matcher.consume_token(token_id)
+            if not self._matcher.consume_token(token_id):
+                self.failed = True
             return token_id
-        return self.budget.commit(self._matcher, token_id)
+        token_id = self.budget.commit(self._matcher, token_id)
+        if self._matcher.is_error():
+            self.failed = True
+        return token_id
+
+    @property
+    def is_error(self) -> bool:
+        """The matcher rejected a token (or failed inside): the output breaks the grammar."""
+        return self.failed or self._matcher.is_error()
 
     @property
     def budget_closed(self) -> bool:
@@ -185,7 +212,9 @@ class GrammarBackend:
 
         key = spec.key()
         with self._lock:
-            grammar = self._compiled.get(key)
+            grammar = self._compiled.pop(key, None)
+            if grammar is not None:
+                self._compiled[key] = grammar  # most recently used last
         if grammar is not None:
             return grammar
         try:
@@ -199,6 +228,10 @@ class GrammarBackend:
             raise InvalidRequestError(f"invalid structured output: {'; '.join(messages)}")
         with self._lock:
             self._compiled[key] = grammar
+            while len(self._compiled) > MAX_COMPILED_GRAMMARS:  # oldest first (dicts keep order)
+                old = next(iter(self._compiled))
+                del self._compiled[old]
+                self._searches.pop(old, None)
         return grammar
 
     def new_matcher(self, spec: StructuredOutput, max_tokens: int | None = None) -> GrammarMatcher:
@@ -241,6 +274,8 @@ class GrammarBackend:
             search = self._searches.get(key)
             if search is None:
                 search = self._searches[key] = CompletionSearch(self._vocab)
+                if len(self._searches) > MAX_COMPILED_GRAMMARS:
+                    del self._searches[next(iter(self._searches))]
             return search
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ only what the grammar allows, so the calls parse and validate, or the answer is 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import anyio
@@ -29,6 +30,8 @@ from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream
 from agentx.errors import (
+    InvalidRequestError,
+    PromptTooLongError,
     SessionClosedError,
     TurnInProgressError,
     UnknownToolCallError,
@@ -52,6 +55,23 @@ from agentx.session.tools import Tool, make_tools
 from agentx.session.turn import Turn
 
 _DEFAULT_SAMPLING = SamplingParams(max_tokens=512)
+DEFAULT_TOOL_TIMEOUT_S = 300.0
+
+
+@dataclass(slots=True)
+class _Owed:
+    """The engine and the held-KV handle a session would release on close."""
+
+    engine: Engine | None = None
+    handle: str | None = None
+
+
+def _release_owed(owed: _Owed) -> None:
+    """A session was collected without close(): release its held KV (any thread; the engine
+    takes it on its next loop)."""
+    if owed.engine is not None and owed.handle is not None and not owed.engine.closed:
+        owed.engine.release_held_soon(owed.handle)
+        owed.handle = None
 
 
 @dataclass(slots=True)
@@ -74,8 +94,16 @@ class Session:
         system: str | None = None,
         tools=None,
         sampling: SamplingParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str or None, got {cache_salt!r}")
+        # what this session holds in the engine; a session dropped without close() gives it
+        # back when it is collected (the finalizer holds the record, never the session)
+        self._owed = _Owed()
+        weakref.finalize(self, _release_owed, self._owed)
         self._engine = engine
+        self.cache_salt = cache_salt  # isolates this session's (and its forks') cached KV
         self.system = system
         self.tools: dict[str, Tool] = make_tools(tools)
         self.sampling = sampling or _DEFAULT_SAMPLING
@@ -84,7 +112,7 @@ class Session:
         self._messages: list[Message] = []
         self._pending: list[dict] = []  # tool results and messages for the next turn
         self._open_calls: dict[str, ToolCall] = {}
-        self._held_kv: str | None = None  # the handle of the last turn's held KV
+        self._held_kv = None  # the handle of the last turn's held KV (kept in _owed)
         self._turn: _OpenTurn | None = None  # the open turn (turn.py, tool_stream.py)
         self._closed = False
         self._parent: Session | None = None
@@ -100,6 +128,22 @@ class Session:
         self.total_usage = Usage()  # own turns plus every descendant's
 
     # ---- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def _engine(self) -> Engine | None:
+        return self._owed.engine
+
+    @_engine.setter
+    def _engine(self, engine: Engine | None) -> None:
+        self._owed.engine = engine
+
+    @property
+    def _held_kv(self) -> str | None:
+        return self._owed.handle
+
+    @_held_kv.setter
+    def _held_kv(self, handle: str | None) -> None:
+        self._owed.handle = handle
 
     @property
     def engine(self) -> Engine:
@@ -124,6 +168,8 @@ class Session:
         self._closed = True
         for child in list(self._children):
             await child.close()
+        if self._turn is not None:  # a turn still open: its request and held KV go too
+            self._abort_turn()
         if self._held_kv is not None:
             self.engine.release_held_soon(self._held_kv, self._drop_on_close)
             self._held_kv = None
@@ -221,8 +267,10 @@ class Session:
         return context
 
     def _submit(self, prompt: list[int], sampling: SamplingParams) -> RequestStream:
+        self._check_turn_open()
         options = RequestOptions(
             priority=self._priority,
+            cache_salt=self.cache_salt,
             hold_kv=True,
             held_kv=self._held_kv,
             hints=tuple(self._hints),
@@ -236,6 +284,7 @@ class Session:
 
     def _settle(self, stream: RequestStream) -> None:
         """The in-flight request finished; a completed one left its KV held for the next."""
+        self._check_turn_open()
         completed = stream.final is not None and stream.final.finish_reason in ("stop", "length")
         self._held_kv = stream.request_id if completed else None
         self._turn.inflight = None
@@ -249,6 +298,7 @@ class Session:
         prefill: str,
     ) -> None:
         """The assistant's reply (``gen``, after ``prefill``) answers the ``sent`` messages."""
+        self._check_turn_open()
         self._settle(self._turn.inflight)
         output_ids = prefill_ids + gen.token_ids
         self._context.commit_output(output_ids, prefill + gen.text, gen.finish_reason)
@@ -265,11 +315,16 @@ class Session:
     def _commit_tool_result(self, call: ToolCall, content: str, is_error: bool) -> None:
         """A streamed tool result is complete: the open tool message (its chunks already in
         the context) is closed and enters the history."""
+        self._check_turn_open()
         self._context.close_message()
         self._messages.append(
             ToolMessage(tool_call_id=call.id, content=content, is_error=is_error, name=call.name)
         )
         self._turn.committed = True
+
+    def _check_turn_open(self) -> None:
+        if self._turn is None:  # close() aborted the turn while it ran
+            raise SessionClosedError("the session was closed during the turn")
 
     def _end_turn(self) -> None:
         """Close the open turn; one that was not committed is aborted. Idempotent."""
@@ -283,8 +338,14 @@ class Session:
         turn, self._turn = self._turn, None
         if turn is None:
             return
-        if turn.inflight is not None and not turn.inflight.finished:
-            self.engine.abort(turn.inflight.request_id)
+        if turn.inflight is not None:
+            # The request may have finished (its KV held under its id) before the abort
+            # reaches the loop, or long before (a `break` after the last token, a validator
+            # that raised): release its id too. The loop applies aborts before releases.
+            rid = turn.inflight.request_id
+            if not turn.inflight.finished:
+                self.engine.abort(rid)
+            self.engine.release_held_soon(rid)
         self._context, self._pending, self._open_calls = turn.context, turn.pending, turn.open_calls
         if turn.held_kv is not None and self._held_kv is None:
             # the aborted request may never have run to adopt or release it
@@ -302,13 +363,42 @@ class Session:
     # ---- tools -------------------------------------------------------------------------------
 
     def add_tool_result(self, call_id: str, content: str, is_error: bool = False) -> None:
-        """Answer a tool call of the last assistant message; sent with the next turn."""
+        """Answer a tool call of the last assistant message; sent with the next turn.
+
+        Checked before the call is taken, so a bad result leaves the call open for a good one:
+        ``content`` must be a str (InvalidRequestError) and must leave the next prompt room in
+        the model context (PromptTooLongError)."""
         self._check_usable()
+        if not isinstance(call_id, str):
+            raise UnknownToolCallError(f"a tool call id is a str, got {call_id!r}")
+        if not isinstance(content, str):
+            raise InvalidRequestError(f"tool result content must be a str, got {content!r}")
+        if not isinstance(is_error, bool):
+            raise InvalidRequestError(f"is_error must be a bool, got {is_error!r}")
+        if call_id not in self._open_calls:
+            self._take_call(call_id)  # raises UnknownToolCallError
+        self._check_room([*(m["content"] for m in self._pending), content])
         call = self._take_call(call_id)
         self._pending.append({"role": "tool", "content": content})
         self._messages.append(
             ToolMessage(tool_call_id=call_id, content=content, is_error=is_error, name=call.name)
         )
+
+    def _check_room(self, texts: list[str]) -> None:
+        """PromptTooLongError if ``texts`` added to the context leave no room to generate (a
+        lower bound of the next prompt: the template adds a few tokens more)."""
+        engine = self.engine
+        max_len = getattr(engine, "max_model_len", None)
+        if max_len is None:
+            return
+        num = len(self._ensure_context().token_ids)
+        for text in texts:
+            num += len(engine.tokenizer.encode(text))
+        if num >= max_len:
+            raise PromptTooLongError(
+                f"the tool result would make the next prompt at least {num} tokens; the model "
+                f"context is {max_len}: shorten it (the call stays open)"
+            )
 
     def _take_call(self, call_id: str) -> ToolCall:
         call = self._open_calls.pop(call_id, None)
@@ -335,9 +425,12 @@ class Session:
         prefill: str | None = None,
         tool_choice: ToolChoice | None = None,
         response_format: ResponseFormat | None = None,
+        tool_timeout: float | None = DEFAULT_TOOL_TIMEOUT_S,
     ) -> AssistantMessage:
         """The plain agent loop: generate, run the Python tools the model called (concurrently),
         feed the results back; stop when a turn makes no tool call or after ``max_turns``.
+        A tool still running after ``tool_timeout`` seconds is abandoned; the model reads a
+        timeout error as its result.
         ``prefill``, ``tool_choice`` and ``response_format`` apply to the first turn only:
         later turns are unconstrained, so the model can answer from the tool results (a
         ``response_format`` reply makes no call, so the loop ends with it)."""
@@ -351,7 +444,7 @@ class Session:
         for _ in range(max_turns - 1):
             if not reply.tool_calls:
                 break
-            results = await execute_calls(self.tools, reply.tool_calls)
+            results = await execute_calls(self.tools, reply.tool_calls, tool_timeout)
             for call, (content, is_error) in zip(reply.tool_calls, results, strict=True):
                 self.add_tool_result(call.id, content, is_error)
             reply = await self.send(sampling=sampling)
@@ -372,7 +465,12 @@ class Session:
         return children[0] if n is None else children
 
     def _make_child(self, handle: str | None) -> Session:
-        child = Session(self.engine, system=self.system, tools=list(self.tools.values()))
+        child = Session(
+            self.engine,
+            system=self.system,
+            tools=list(self.tools.values()),
+            cache_salt=self.cache_salt,
+        )
         child.sampling = self.sampling
         child._context = self._ensure_context().fork()
         child._messages = list(self._messages)

@@ -138,6 +138,8 @@ def _loads(content: str) -> Any:
         return json.loads(content)
     except json.JSONDecodeError as exc:
         json_error = exc
+    except RecursionError:  # ~1,000 nested brackets: model output, not a call
+        raise _Malformed("invalid JSON: nested too deeply") from None
     try:
         # Small models sometimes write Python dicts ('single quotes', True). literal_eval only
         # evaluates literals; the JSON round trip rejects what JSON cannot hold (sets, bytes).
@@ -158,7 +160,7 @@ def _decode_entry(index: int, entry: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise _Malformed(f"arguments of {name!r} are a string that is not JSON") from None
     if not isinstance(arguments, dict):
         raise _Malformed(f"arguments of {name!r} must be an object, got {type(arguments).__name__}")

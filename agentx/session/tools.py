@@ -33,8 +33,9 @@ _ARGS_HEADERS = {"args:", "arguments:", "parameters:", "params:"}
 _ARG_LINE = re.compile(r"^\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
 
 
-class ToolArgumentsError(ValueError):
-    """A call's arguments do not match the tool's schema; the message is meant for the model."""
+class ToolArgumentsError(InvalidRequestError):
+    """A call's arguments do not match the tool's schema; the message is meant for the model.
+    (An InvalidRequestError, so also a ValueError.)"""
 
     def __init__(self, tool_name: str, detail: str) -> None:
         super().__init__(f"invalid arguments for tool {tool_name!r}: {detail}")
@@ -94,7 +95,9 @@ class Tool:
     async def invoke(self, arguments: dict[str, Any]) -> str:
         """Validate ``arguments``, run the function and return its result as text.
 
-        Sync functions run in a worker thread so the event loop never blocks. Raises
+        Sync functions run in a worker thread so the event loop never blocks; cancelling the
+        caller abandons that thread (it runs on, its result is dropped), so a hung sync tool
+        never hangs the agent loop. Raises
         ``ToolArgumentsError`` for bad arguments, ``TypeError`` for a schema-only tool, and
         whatever the function itself raises.
         """
@@ -104,7 +107,9 @@ class Tool:
         if self._is_async:
             result = await self.fn(*args, **kwargs)
         else:
-            result = await anyio.to_thread.run_sync(functools.partial(self.fn, *args, **kwargs))
+            result = await anyio.to_thread.run_sync(
+                functools.partial(self.fn, *args, **kwargs), abandon_on_cancel=True
+            )
         return _to_text(result)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

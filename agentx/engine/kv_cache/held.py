@@ -31,6 +31,7 @@ class HeldKV:
     blocks: GroupBlocks  # per KV group: ceil(len(token_ids) / block_size) blocks
     pinned: bool = False
     last_used: int = 0
+    cache_salt: bytes = b""  # the salt of the request that wrote it: only that salt extends it
 
     @property
     def num_tokens(self) -> int:
@@ -69,15 +70,18 @@ class HeldKVManager:
     def get(self, handle: str | None) -> HeldKV | None:
         return self._held.get(handle) if handle is not None else None
 
-    def add(self, handle: str, token_ids: list[int], blocks: GroupBlocks) -> HeldKV:
-        """Take over ``blocks`` (their references move in) for ``token_ids``."""
+    def add(
+        self, handle: str, token_ids: list[int], blocks: GroupBlocks, cache_salt: bytes = b""
+    ) -> HeldKV:
+        """Take over ``blocks`` (their references move in) for ``token_ids``, written under
+        ``cache_salt``."""
         self.release(handle)
         num_blocks = -(-len(token_ids) // self.block_size)
         excess = [b for group in blocks for b in reversed(group[num_blocks:])]
         self.pool.free_blocks(excess)
         kept = tuple(group[:num_blocks] for group in blocks)
         self._clock += 1
-        held = HeldKV(handle, list(token_ids), kept, last_used=self._clock)
+        held = HeldKV(handle, list(token_ids), kept, last_used=self._clock, cache_salt=cache_salt)
         self._held[handle] = held
         return held
 
@@ -121,7 +125,7 @@ class HeldKVManager:
                     tail = self.pool.allocate_blocks(1)
                     copies.append(BlockCopy(group[-1].block_id, tail[0].block_id))
                 blocks.append(list(shared) + tail)
-            self.add(new, src.token_ids, tuple(blocks))
+            self.add(new, src.token_ids, tuple(blocks), src.cache_salt)
         return copies
 
     def reclaim(self, num_blocks: int, keep: str | None = None) -> None:

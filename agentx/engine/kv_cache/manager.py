@@ -87,7 +87,13 @@ class KVCacheManager:
             )
             hit = KVCacheBlocks(blocks)
         held = self.held.get(request.held_kv)
-        if held is not None and _is_prefix(held.token_ids, request.all_token_ids):
+        # held KV is another request's cache: a request of another salt never sees it (its
+        # cached-token count would tell whether that context starts with a guessed prefix)
+        if (
+            held is not None
+            and held.cache_salt == request.cache_salt
+            and _is_prefix(held.token_ids, request.all_token_ids)
+        ):
             num_held = min(held.num_tokens, max_length)
             # a linear state exists only at the held KV's end, not before it
             exact = not self.coordinator.has_linear or num_held == held.num_tokens
@@ -164,7 +170,7 @@ class KVCacheManager:
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         blocks = self.coordinator.take(request.request_id)
         tokens = request.all_token_ids[: request.num_computed_tokens]
-        self.held.add(request.request_id, tokens, blocks)
+        self.held.add(request.request_id, tokens, blocks, request.cache_salt)
 
     def fork_held(self, handle: str, new_handles: list[str]) -> list[BlockCopy] | None:
         """Copy-on-write forks of held KV; the caller runs the returned block copies
@@ -237,9 +243,11 @@ class KVCacheManager:
         blocks = [self.pool.get_cached_block(h) for h in block_hashes]
         self.pool.demote_blocks([b for b in blocks if b is not None])
 
-    def add_held(self, handle: str, token_ids: list[int], blocks: GroupBlocks) -> None:
+    def add_held(
+        self, handle: str, token_ids: list[int], blocks: GroupBlocks, cache_salt: bytes = b""
+    ) -> None:
         """Hold ``blocks`` (their references move in) as the KV of ``token_ids``."""
-        self.held.add(handle, token_ids, blocks)
+        self.held.add(handle, token_ids, blocks, cache_salt)
 
     def expect_return(self, handle: str, at: float) -> None:
         """Held KV whose session is back at ``at``: under pressure, the one expected back last

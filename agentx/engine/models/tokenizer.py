@@ -85,7 +85,12 @@ class Tokenizer:
         return None if self.eos_token_id is None else self._backend.id_to_token(self.eos_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; InvalidRequestError for what is not a str of valid Unicode
+        (a lone surrogate cannot be encoded to UTF-8, so no tokenizer can read it)."""
+        try:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            raise InvalidRequestError(_why_not_text(text)) from None
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids
@@ -285,3 +290,13 @@ def _chat_end_ids(backend: tokenizers.Tokenizer, chat_template: str | None) -> s
         return set()
     ids = (backend.token_to_id(t) for t in _CHAT_END_TOKENS if t in chat_template)
     return {token_id for token_id in ids if token_id is not None}
+
+
+def _why_not_text(text: object) -> str:
+    if not isinstance(text, str):
+        return f"text to encode must be a str, got {type(text).__name__}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"text is not valid Unicode (a lone surrogate at {exc.start}): {exc.reason}"
+    return "the tokenizer cannot encode this text"

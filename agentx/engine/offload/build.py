@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 from agentx.config import OffloadConfig
 from agentx.engine.offload.base import KVTier
 from agentx.engine.offload.disk import DiskTier
+from agentx.engine.offload.fingerprint import layout_fingerprint
 from agentx.engine.offload.host import HostTier
 from agentx.engine.offload.mooncake import MooncakeTier
 from agentx.engine.offload.mooncake_master import MooncakeMaster
@@ -24,6 +24,7 @@ def build_tiered_store(
     disk_bytes: int = 0,
     mooncake_address: str | None = None,
     mooncake_segment_bytes: int = 64 << 20,
+    mooncake_allow_network: bool = False,
 ) -> TieredStore | None:
     """The tiers whose sizes are given, top-down; None when none is.
 
@@ -39,16 +40,14 @@ def build_tiered_store(
     if mooncake_address:
         tiers.append(
             MooncakeTier(
-                mooncake_address, page_bytes, fingerprint, segment_bytes=mooncake_segment_bytes
+                mooncake_address,
+                page_bytes,
+                fingerprint,
+                segment_bytes=mooncake_segment_bytes,
+                allow_network=mooncake_allow_network,
             )
         )
     return TieredStore(tiers) if tiers else None
-
-
-def layout_fingerprint(*parts: object) -> str:
-    """A short stable id of what a page means (model, dtype, layout): tiers are namespaced by
-    it, since block hashes cover tokens only."""
-    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()
 
 
 def store_from_config(
@@ -59,15 +58,21 @@ def store_from_config(
     master = None
     address = config.mooncake
     if address == "auto":
-        master = MooncakeMaster().start()
+        master = MooncakeMaster(allow_network=config.mooncake_allow_network).start()
         address = master.address
-    store = build_tiered_store(
-        page_bytes,
-        fingerprint,
-        host_blocks=config.host_bytes // page_bytes,
-        disk_root=config.disk_path,
-        disk_bytes=config.disk_bytes,
-        mooncake_address=address,
-        mooncake_segment_bytes=config.mooncake_bytes,
-    )
+    try:
+        store = build_tiered_store(
+            page_bytes,
+            fingerprint,
+            host_blocks=config.host_bytes // page_bytes,
+            disk_root=config.disk_path,
+            disk_bytes=config.disk_bytes,
+            mooncake_address=address,
+            mooncake_segment_bytes=config.mooncake_bytes,
+            mooncake_allow_network=config.mooncake_allow_network,
+        )
+    except BaseException:  # a master started for tiers that never came up is stopped
+        if master is not None:
+            master.stop()
+        raise
     return store, master

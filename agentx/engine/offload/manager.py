@@ -52,6 +52,7 @@ class _Load:
     blocks: list[KVBlock]  # fresh device blocks the pages land in
     hashes: list[BlockHash]
     pages: torch.Tensor  # (n, page_bytes) host staging, untouched until the event
+    cache_salt: bytes = b""  # the salt the hashes were made with (the held KV keeps it)
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class _ToolWait:
     token_ids: list[int]
     block_hashes: list[BlockHash]
     handle: str | None  # the held KV to rebuild; None: back into the device cache
+    cache_salt: bytes = b""
 
 
 class OffloadManager(Offload):
@@ -95,6 +97,8 @@ class OffloadManager(Offload):
         self.stores: dict[int, torch.Tensor] = {}  # pages kept alive until their event
         self.tool_hints: dict[str, tuple[float, Request]] = {}  # request id -> latency, request
         self.tool_waits: dict[str, _ToolWait] = {}  # held handle -> expected return
+        # held handle -> the hashes its pin holds in the tiers: unpinned when it is released
+        self.tier_pins: dict[str, list[BlockHash]] = {}
         self.counters = OffloadCounters()
         self._ready: list[tuple[str, str]] = []  # loads finished during a flush
 
@@ -118,6 +122,7 @@ class OffloadManager(Offload):
             request.request_id,
             request.all_token_ids,
             request.block_hashes[:max_blocks],
+            request.cache_salt,
         )
 
     def _start_load(
@@ -126,6 +131,7 @@ class OffloadManager(Offload):
         request_id: str | None,
         token_ids: list[int],
         hashes: list[BlockHash],
+        cache_salt: bytes = b"",
     ) -> bool:
         device_blocks = self.kv.find_cached_prefix(hashes)
         start = len(device_blocks)
@@ -144,6 +150,7 @@ class OffloadManager(Offload):
             blocks,
             list(hashes[start : start + num]),
             pages,
+            cache_salt,
         )
         return True
 
@@ -176,7 +183,7 @@ class OffloadManager(Offload):
             return
         if blocks:
             num_tokens = len(blocks) * self.block_size
-            self.kv.add_held(load.handle, load.token_ids[:num_tokens], (blocks,))
+            self.kv.add_held(load.handle, load.token_ids[:num_tokens], (blocks,), load.cache_salt)
 
     def idle_wait(self, timeout: float = 0.005) -> None:
         """Nothing to schedule: wait a little for a transfer instead of spinning."""
@@ -193,6 +200,7 @@ class OffloadManager(Offload):
             pages = self.runner.gather_pages([b.block_id for _, b in published])
             ticket = self.store.store([h for h, _ in published], list(pages), self.tier_names)
             self.stores[ticket.job_id] = pages
+        self._prune_pins()
         for rid in [r for r, (_, req) in self.tool_hints.items() if req.is_finished]:
             seconds, request = self.tool_hints.pop(rid)
             self._on_tool_wait(rid, seconds, request)
@@ -206,7 +214,9 @@ class OffloadManager(Offload):
         if held is not None:  # a held turn: released first, reloaded under the same handle
             num_full = held.num_tokens // self.block_size
             hashes = request.block_hashes[:num_full]
-            self.tool_waits[rid] = _ToolWait(return_at, held.token_ids[:], hashes, rid)
+            self.tool_waits[rid] = _ToolWait(
+                return_at, held.token_ids[:], hashes, rid, request.cache_salt
+            )
             self.kv.expect_return(rid, return_at)
             return
         num_full = request.num_computed_tokens // self.block_size
@@ -223,13 +233,30 @@ class OffloadManager(Offload):
             del self.tool_waits[handle]
             if wait.handle is not None and self.kv.get_held(wait.handle) is not None:
                 continue  # never left the device
-            if self._start_load(wait.handle, None, wait.token_ids, wait.block_hashes):
+            if self._start_load(
+                wait.handle, None, wait.token_ids, wait.block_hashes, wait.cache_salt
+            ):
                 self.counters.num_prefetches += 1
 
     def on_release(self, handle: str, drop_cached: bool) -> None:
         self.tool_waits.pop(handle, None)
-        if drop_cached:  # release drops the session's blocks in every tier
-            self.store.drop(self.held_hashes(handle))
+        pinned = self.tier_pins.pop(handle, None)
+        if drop_cached:  # release drops the session's blocks (and their pins) in every tier
+            self.store.drop(self.held_hashes(handle) + (pinned or []))
+        elif pinned:  # the pin was the held KV's: it ends with it
+            self.store.unpin(self._still_unpinned(pinned))
+
+    def _prune_pins(self) -> None:
+        """End the tier pins of held KV that is gone (adopted by the next turn, released)."""
+        gone = [h for h in self.tier_pins if self.kv.get_held(h) is None]
+        if gone:
+            hashes = [b for h in gone for b in self.tier_pins.pop(h)]
+            self.store.unpin(self._still_unpinned(hashes))
+
+    def _still_unpinned(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """``hashes`` less those another pinned handle still pins (a fork shares them)."""
+        kept = {h for others in self.tier_pins.values() for h in others}
+        return [h for h in hashes if h not in kept]
 
     # ---- pins, release, migration ---------------------------------------------------------
 
@@ -240,8 +267,13 @@ class OffloadManager(Offload):
         return [b.block_hash for b in held.blocks[0] if b.block_hash is not None]
 
     def pin(self, handle: str, pinned: bool) -> None:
-        hashes = self.held_hashes(handle)
-        (self.store.pin if pinned else self.store.unpin)(hashes)
+        if pinned:
+            hashes = self.held_hashes(handle)
+            self.tier_pins[handle] = hashes
+            self.store.pin(hashes)
+        else:
+            hashes = self.tier_pins.pop(handle, None) or self.held_hashes(handle)
+            self.store.unpin(self._still_unpinned(hashes))
 
     def export(self, handle: str, timeout: float = 30.0) -> KVExport | None:
         """The held KV's full blocks, once the tiers hold them (waits for the stores)."""

@@ -14,6 +14,11 @@ timeout, an RPC failure or an unreachable master marks the tier unhealthy; while
 lookups miss and stores are skipped at once, and every ``retry_interval_s`` a cheap TCP probe
 (then the client's health check, or a fresh ``setup``) tries to bring it back. Objects do not
 survive a master restart (the master's metadata is in memory): they are misses afterwards.
+
+Every object is the page followed by a checksum of its key and bytes (``_CHECKSUM_BYTES``): a
+read whose checksum does not match (bytes damaged in the pool, or stored under another key) is
+a miss, never KV. A put that timed out may still be reading the staging rows, so nothing new is
+copied into them until it returns (the tier is unhealthy meanwhile).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ import torch
 
 from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.offload.base import KVTier, TierStats, check_pages
-from agentx.engine.offload.mooncake_master import port_is_open
-from agentx.errors import ConfigError
+from agentx.engine.offload.mooncake_master import has_private_network, port_is_open
+from agentx.errors import ConfigError, OffloadError
 
 __all__ = ["MooncakeTier"]
 
@@ -42,6 +47,14 @@ _RPC_FAIL = -900  # the master did not answer
 _NOT_INITIALIZED = -600
 _ALREADY_EXISTS = -706  # (this version answers 0 to a put of an existing key: also fine)
 _MIN_SEGMENT_BYTES = 16 << 20  # the client refuses smaller segments
+_CHECKSUM_BYTES = 16
+
+
+def _checksum(key: str, page: torch.Tensor) -> bytes:
+    """blake2b of the object's key and its page bytes."""
+    digest = hashlib.blake2b(key.encode(), digest_size=_CHECKSUM_BYTES)
+    digest.update(page.numpy().data)
+    return digest.digest()
 
 
 class MooncakeTier(KVTier):
@@ -59,10 +72,16 @@ class MooncakeTier(KVTier):
         retry_interval_s: float = 1.0,
         local_hostname: str = "127.0.0.1",
         name: str = "mooncake",
+        allow_network: bool = False,
     ) -> None:
+        if not allow_network and not has_private_network():
+            raise OffloadError(
+                "refusing to start a Mooncake client outside a private network namespace (it "
+                "binds every interface); run under unshare -n, or set allow_network"
+            )
         if segment_bytes < _MIN_SEGMENT_BYTES:
             raise ConfigError(f"a Mooncake segment needs at least 16 MiB, got {segment_bytes}")
-        if page_bytes > segment_bytes:
+        if page_bytes + _CHECKSUM_BYTES > segment_bytes:
             raise ConfigError(f"page_bytes {page_bytes} exceeds the segment ({segment_bytes})")
         self.name = name
         self.page_bytes = page_bytes
@@ -75,7 +94,8 @@ class MooncakeTier(KVTier):
         digest = hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
         self.key_prefix = f"agentx/{digest}/"
         # the worker's staging rows: Mooncake reads/writes only registered memory
-        self._staging = torch.zeros((staging_blocks, page_bytes), dtype=torch.uint8)
+        self.object_bytes = page_bytes + _CHECKSUM_BYTES  # (page | checksum)
+        self._staging = torch.zeros((staging_blocks, self.object_bytes), dtype=torch.uint8)
         self._meta = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-meta")  # engine side
         self._data = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-data")  # worker side
         self._probe = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-probe")  # reconnects
@@ -88,7 +108,7 @@ class MooncakeTier(KVTier):
         self._storing: set[BlockHash] = set()
         self._loading: Counter[BlockHash] = Counter()
         self._pinned: set[BlockHash] = set()
-        self._counts = dict(stored=0, loaded=0, failed=0)
+        self._counts = dict(stored=0, loaded=0, failed=0, corrupt=0)
         self._closed = False
         self._warned_setup = False
         self._reconnect()  # synchronous once (bounded), so a reachable master is used at once
@@ -154,14 +174,20 @@ class MooncakeTier(KVTier):
             raise RuntimeError("register_buffer failed")
         return store
 
+    def _is_stuck(self, pool: ThreadPoolExecutor) -> bool:
+        """An earlier call on ``pool`` timed out and has not returned yet."""
+        last = self._last.get(pool)
+        if last is not None and not last.done():
+            self._mark_unhealthy("an earlier call is still stuck")
+            return True
+        return False
+
     def _call(self, pool: ThreadPoolExecutor, fn: Callable, *args, timeout: float | None = None):
         """Run one client call on ``pool`` with a timeout; None (and unhealthy) on failure.
 
         A call still stuck from an earlier timeout blocks the pool: then nothing new is queued
         behind it (the tier stays unhealthy until it returns)."""
-        last = self._last.get(pool)
-        if last is not None and not last.done():
-            self._mark_unhealthy("an earlier call is still stuck")
+        if self._is_stuck(pool):
             return None
         try:
             future = self._last[pool] = pool.submit(fn, *args)
@@ -214,11 +240,15 @@ class MooncakeTier(KVTier):
         out = []
         for start in range(0, len(hashes), len(self._staging)):
             chunk = hashes[start : start + len(self._staging)]
-            if not self._healthy:
+            # a timed-out put may still read the staging rows: never overwrite them under it
+            if not self._healthy or self._is_stuck(self._data):
                 out.extend([False] * len(chunk))
                 continue
-            for row, page in zip(self._staging, pages[start : start + len(chunk)], strict=False):
-                row.copy_(page.view(-1))
+            for i, page in enumerate(pages[start : start + len(chunk)]):
+                row = self._staging[i]
+                row[: self.page_bytes].copy_(page.view(-1))
+                checksum = _checksum(self.key(chunk[i]), row[: self.page_bytes])
+                row[self.page_bytes :].copy_(torch.tensor(list(checksum), dtype=torch.uint8))
             ok = [False] * len(chunk)
             with self._lock:
                 pinned = [i for i, h in enumerate(chunk) if h in self._pinned]
@@ -234,7 +264,7 @@ class MooncakeTier(KVTier):
                         self._data, self._store.batch_put_from,
                         [self.key(chunk[i]) for i in idx],
                         [self._staging[i].data_ptr() for i in idx],
-                        [self.page_bytes] * len(idx), config,
+                        [self.object_bytes] * len(idx), config,
                     )
                 )  # fmt: skip
                 for i, code in zip(idx, codes or [-1] * len(idx), strict=True):
@@ -270,15 +300,26 @@ class MooncakeTier(KVTier):
                     self._data, self._store.batch_get_into,
                     [self.key(h) for h in chunk],
                     [self._staging[i].data_ptr() for i in range(len(chunk))],
-                    [self.page_bytes] * len(chunk),
+                    [self.object_bytes] * len(chunk),
                 )
             )  # fmt: skip
-            ok = [c == self.page_bytes for c in codes or [-1] * len(chunk)]
+            ok = [c == self.object_bytes for c in codes or [-1] * len(chunk)]
             for i, good in enumerate(ok):
-                if good:
-                    pages[start + i].view(-1).copy_(self._staging[i])
+                ok[i] = good and self._verify(chunk[i], self._staging[i])
+                if ok[i]:
+                    pages[start + i].view(-1).copy_(self._staging[i][: self.page_bytes])
             out.extend(ok)
         return out
+
+    def _verify(self, block_hash: BlockHash, row: torch.Tensor) -> bool:
+        """The staged object's checksum matches its key and page (else it is a miss)."""
+        key = self.key(block_hash)
+        good = _checksum(key, row[: self.page_bytes]) == bytes(row[self.page_bytes :].numpy())
+        if not good:
+            logger.warning("mooncake tier %s: %s failed its checksum; a miss", self.name, key)
+            with self._lock:
+                self._counts["corrupt"] += 1
+        return good
 
     def complete_load(self, hashes: Sequence[BlockHash]) -> None:
         with self._lock:

@@ -149,6 +149,7 @@ class Scheduler:
                 self.running.remove(request)
             elif self.parked.pop(rid, None) is None:
                 self.waiting.remove(request)
+            self._spend_held(request)  # ended before it ran: what it named is spent all the same
             request.status = status
             self._free(request)
             ended.append(request)
@@ -278,10 +279,7 @@ class Scheduler:
             if new_blocks is None:
                 break  # the pool is full; running requests will free blocks
             self.waiting.pop()
-            if request.held_kv is not None:
-                # adopted or stale: either way the handle is spent once its request runs
-                self.kv.release_held(request.held_kv)
-                request.held_kv = None
+            self._spend_held(request)
             self.running.append(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -291,6 +289,16 @@ class Scheduler:
             self._known_to_runner.discard(request.request_id)
             scheduled[request.request_id] = _Scheduled(request, num_new, new_blocks, [])
             budget.take(num_new)
+
+    def _spend_held(self, request: Request) -> None:
+        """Adopted or stale, the held KV a request names is spent once it runs or ends (held KV
+        of another cache salt is not this request's to spend: it is left alone)."""
+        if request.held_kv is None:
+            return
+        held = self.kv.get_held(request.held_kv)
+        if held is not None and held.cache_salt == request.cache_salt:
+            self.kv.release_held(request.held_kv)
+        request.held_kv = None
 
     def _preempt(self, victim: Request, scheduled: dict[str, _Scheduled]) -> tuple[int, int]:
         """Preempt by recompute; returns the budget (real, draft tokens) the victim had taken

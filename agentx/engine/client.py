@@ -197,6 +197,8 @@ class Engine:
         """Like ``release_held_soon``, but it never blocks: a garbage collector's finalizer
         calls it, on whatever thread collected (maybe one holding a stream's lock). The loop
         releases it when it next wakes (at once unless the loop held its lock just then)."""
+        if self._closed:
+            return
         self._orphans.append(handle)
         if self._cond.acquire(blocking=False):
             try:

@@ -392,8 +392,9 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
     while time.monotonic() < deadline:
         gc.collect()  # abandoned sessions release their KV when collected
         stats = engine.stats()
-        idle = stats.num_running == 0 and stats.num_waiting == 0
-        if idle and not engine._controls and engine.get_num_live_requests() == 0:
+        idle = stats.num_running == stats.num_waiting == 0 and not engine.get_num_live_requests()
+        clean = stats.kv_num_held == stats.kv_num_used_blocks == 0  # else: wait, then report
+        if idle and clean and not engine._controls and not engine._orphans:
             return
         time.sleep(0.05)
 
@@ -573,6 +574,14 @@ def check_rss(rss: list[float], args, counters: Counters) -> float | None:
     return round(band, 1)
 
 
+def _mooncake_imports() -> bool:
+    try:
+        import mooncake.store  # noqa: F401  (needs libibverbs1)
+    except Exception:  # noqa: BLE001 - any failure means: run without the Mooncake tier
+        return False
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
@@ -592,7 +601,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.minutes is not None:
         args.seconds = args.minutes * 60
-    args.mooncake = args.mooncake and has_private_network()
+    args.mooncake = args.mooncake and has_private_network() and _mooncake_imports()
     mooncake = "on" if args.mooncake else "off"
     what = f"{args.sessions} sessions, phases of {args.phase_seconds:.0f}s, mooncake {mooncake}"
     print(f"soak: {args.seconds:.0f}s, {what}", flush=True)

@@ -330,3 +330,22 @@ def test_a_dead_engine_is_freed_while_its_failed_streams_are_kept():
     del engine, crash, info
     gc.collect()
     assert ref() is None
+
+
+def test_calls_after_close_raise_engine_closed():
+    from agentx import EngineClosedError
+
+    engine = Engine(EngineConfig(cache=POOL))
+    engine.close()
+    for call in (
+        lambda: engine.add_request("hello", GREEDY),
+        lambda: engine.fork_held("req-0", 2),
+        lambda: engine.export_held("req-0"),
+    ):
+        with pytest.raises(EngineClosedError):
+            call()
+    engine.abort("req-0")  # idempotent no-ops, never a hang
+    engine.release_held_soon("req-0")
+    engine.release_held_eventually("req-0")
+    engine.close()
+    assert engine.closed and engine.get_num_live_requests() == 0

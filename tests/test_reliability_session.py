@@ -32,7 +32,8 @@ def wait_idle(engine, timeout=20.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and not engine._controls:
+        idle = stats.num_running == 0 and stats.num_waiting == 0
+        if idle and not engine._controls and not engine._orphans:
             return stats
         time.sleep(0.02)
     raise AssertionError("engine did not go idle")
@@ -191,6 +192,9 @@ async def test_a_session_dropped_without_close_releases_its_kv(default_engine):
     assert wait_idle(default_engine).kv_num_held == 3
     del s, children  # abandoned: never closed
     gc.collect()
+    deadline = time.monotonic() + 20
+    while default_engine.stats().kv_num_held and time.monotonic() < deadline:
+        time.sleep(0.02)  # the loop releases them when it wakes
     stats = wait_idle(default_engine)
     assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
     default_engine.check_integrity()

@@ -338,3 +338,9 @@ def test_every_error_above_is_documented():
     for name in errors.__all__:
         assert name in errors.__doc__
     assert issubclass(InvalidRequestError, AgentXError)
+
+
+def test_engine_still_serves_after_the_whole_sweep(default_engine, reference):
+    assert_serves(default_engine, reference)
+    stats = default_engine.stats()
+    assert stats.num_running == stats.num_waiting == 0

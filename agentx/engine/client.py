@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
@@ -55,6 +56,7 @@ class Engine:
         self._new: list[tuple[Request, RequestStream]] = []
         self._aborts: list[str] = []
         self._controls: list[Callable[[EngineCore], object]] = []  # run by the loop, in order
+        self._orphans: deque[str] = deque()  # held KV to release, queued without a lock
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._closed = False
@@ -191,6 +193,19 @@ class Engine:
         """Like ``release_held``, without waiting: the loop releases it before its next step."""
         self._control(lambda core: core.release_held(handle, drop_cached))
 
+    def release_held_eventually(self, handle: str) -> None:
+        """Like ``release_held_soon``, but it never blocks: a garbage collector's finalizer
+        calls it, on whatever thread collected (maybe one holding a stream's lock). The loop
+        releases it when it next wakes (at once unless the loop held its lock just then)."""
+        if self._closed:
+            return
+        self._orphans.append(handle)
+        if self._cond.acquire(blocking=False):
+            try:
+                self._cond.notify()
+            finally:
+                self._cond.release()
+
     def pin_held(self, handle: str, pinned: bool = True) -> bool:
         """Pinned held KV is never released to make room."""
         with self._step_lock:
@@ -281,7 +296,12 @@ class Engine:
     def _loop_once(self) -> bool:
         with self._cond:
             while not (
-                self._closed or self._new or self._aborts or self._controls or self._has_work()
+                self._closed
+                or self._new
+                or self._aborts
+                or self._controls
+                or self._orphans
+                or self._has_work()
             ):
                 self._cond.wait()
             if self._closed:
@@ -289,6 +309,9 @@ class Engine:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
             controls, self._controls = self._controls, []
+            while self._orphans:
+                handle = self._orphans.popleft()
+                controls.append(lambda core, handle=handle: core.release_held(handle))
         with self._step_lock:
             for request, _ in new:
                 self.core.add_request(request)

@@ -67,11 +67,14 @@ class _Owed:
 
 
 def _release_owed(owed: _Owed) -> None:
-    """A session was collected without close(): release its held KV (any thread; the engine
-    takes it on its next loop)."""
-    if owed.engine is not None and owed.handle is not None and not owed.engine.closed:
-        owed.engine.release_held_soon(owed.handle)
-        owed.handle = None
+    """A session was collected without close(): release its held KV. Runs on whatever thread
+    collected it, so it must not block (``release_held_eventually`` takes no lock)."""
+    engine = owed.engine
+    if engine is None or owed.handle is None or engine.closed:
+        return
+    release = getattr(engine, "release_held_eventually", engine.release_held_soon)
+    release(owed.handle)
+    owed.handle = None
 
 
 @dataclass(slots=True)

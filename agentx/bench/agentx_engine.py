@@ -30,6 +30,7 @@ class AgentxOptions:
     kv_cache_bytes: int = 2 << 30
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    decode_step_target_ms: float | None = None  # None: SchedulerConfig's default
     offload: object | None = None  # an agentx.OffloadConfig (tiers below the device)
 
     def engine_config(self):
@@ -45,6 +46,11 @@ class AgentxOptions:
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
+                **(
+                    {}
+                    if self.decode_step_target_ms is None
+                    else {"decode_step_target_ms": self.decode_step_target_ms}
+                ),
             ),
         )
 

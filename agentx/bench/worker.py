@@ -34,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--decode-step-target-ms",
+        type=float,
+        default=None,
+        help="the scheduler's step-time target while requests decode (default: the config's)",
+    )
     return p.parse_args(argv)
 
 
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_step_target_ms=args.decode_step_target_ms,
     )
     asyncio.run(serve(AgentxEngine(options), out))
 

@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -119,14 +120,14 @@ class Counters:
 class RecordingEngine(Engine):
     """An engine that keeps every request's prompt, sampling and stream for the replay."""
 
-    def __init__(self, config: EngineConfig, log: list) -> None:
+    def __init__(self, config: EngineConfig, log: RequestLog) -> None:
         super().__init__(config)
         self.log = log
         self.actions: dict[str, str] = {}
 
     def add_request(self, prompt, sampling=None, **kw):
         stream = super().add_request(prompt, sampling, **kw)
-        self.log.append((list(stream.prompt_token_ids), sampling or SamplingParams(), stream))
+        self.log.add(stream, sampling or SamplingParams())
         self.actions[stream.request_id] = ACTION.get()
         return stream
 
@@ -448,23 +449,51 @@ def resources() -> dict[str, object]:
     }
 
 
-def freeze(log: list) -> list:
-    """Streams -> (prompt, sampling, token ids of a completed request or None), in place: a
-    stream of a dead engine holds its error, whose frames hold that engine."""
-    for i, (prompt, sampling, stream) in enumerate(log):
-        if not isinstance(stream, list | type(None)):
+class RequestLog:
+    """Every request sent, reduced at each phase's end to a seeded uniform sample of the
+    completed ones (reservoir sampling): the replay checks at most ``size`` of them, and the
+    soak's own memory stays bounded, so the RSS band measures the engine, not this log."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.rng = random.Random(f"{seed}/replay")
+        self.pending: list[tuple[object, SamplingParams]] = []
+        self.sample: list[tuple[int, array, SamplingParams, list[int]]] = []
+        self.num_requests = 0
+        self.num_completed = 0
+        self.generated_tokens = 0
+
+    def add(self, stream, sampling: SamplingParams) -> None:
+        self.pending.append((stream, sampling))
+        self.num_requests += 1
+
+    def freeze(self) -> None:
+        """Fold the finished streams in (a stream of a dead engine holds its error, whose
+        frames hold that engine: none is kept past its phase)."""
+        for stream, sampling in self.pending:
             final = stream.final
-            completed = final is not None and final.finish_reason in ("stop", "length")
-            log[i] = (prompt, sampling, list(stream.token_ids) if completed else None)
-    return log
+            if final is None or final.finish_reason not in ("stop", "length"):
+                continue
+            tokens = list(stream.token_ids)
+            self.generated_tokens += len(tokens)
+            entry = (self.num_completed, array("i", stream.prompt_token_ids), sampling, tokens)
+            self.num_completed += 1
+            if len(self.sample) < self.size:
+                self.sample.append(entry)
+            elif (slot := self.rng.randrange(self.num_completed)) < self.size:
+                self.sample[slot] = entry
+        self.pending.clear()
+
+    def replayable(self) -> list[tuple[list[int], SamplingParams, list[int]]]:
+        """The sample, in the order the requests ran."""
+        self.freeze()
+        return [(list(p), s, t) for _, p, s, t in sorted(self.sample, key=lambda e: e[0])]
 
 
-def replay(log: list, args, counters: Counters) -> dict[str, int]:
-    """Run every completed request again on a fresh, fault-free engine; count mismatches."""
-    done = [entry for entry in freeze(log) if entry[2] is not None]
-    if len(done) > args.replay_max:  # a seeded sample, in the order they ran
-        keep = sorted(random.Random(args.seed).sample(range(len(done)), args.replay_max))
-        done = [done[i] for i in keep]
+def replay(log: RequestLog, counters: Counters) -> dict[str, int]:
+    """Run the sampled completed requests again on a fresh, fault-free engine; count
+    mismatches."""
+    done = log.replayable()
     mismatches = 0
     with Engine(EngineConfig(cache=CacheConfig(kv_cache_bytes=512 << 20))) as clean:
         for start in range(0, len(done), 16):
@@ -478,12 +507,16 @@ def replay(log: list, args, counters: Counters) -> dict[str, int]:
                         counters.failures.append(
                             f"replay: a {len(prompt)}-token prompt gave {got} (soak: {expected})"
                         )
-    return {"num_completed": len(done), "num_mismatches": mismatches}
+    return {
+        "num_completed": log.num_completed,
+        "num_replayed": len(done),
+        "num_mismatches": mismatches,
+    }
 
 
 def soak(args) -> dict[str, object]:
     counters = Counters()
-    log: list = []
+    log = RequestLog(args.replay_max, args.seed)
     before = resources()
     rss: list[float] = []
     num_phases = max(1, int(args.seconds // args.phase_seconds))
@@ -505,22 +538,23 @@ def soak(args) -> dict[str, object]:
                     gc.collect()  # the dead engine's memory goes back before the next phase
                 else:
                     check_clean(engine, phase, counters)
-                freeze(log)
+                log.freeze()
                 rss.append(round(rss_mib(), 1))
-                line = f"phase {phase:3d} {kind:17s} rss {rss[-1]:7.1f} MiB requests {len(log):6d}"
+                line = f"phase {phase:3d} {kind:17s} rss {rss[-1]:7.1f} MiB"
+                line += f" requests {log.num_requests:6d}"
                 print(f"{line} failures {len(counters.failures)}", flush=True)
         finally:
             engine.close()
     soak_s = time.monotonic() - t0
-    replayed = replay(log, args, counters)
+    replayed = replay(log, counters)
     leaks = check_leaks(before, counters)
     band = check_rss(rss, args, counters)
     return {
         "seconds": round(soak_s, 1),
         "phases": num_phases,
         "sessions": args.sessions,
-        "requests": len(log),
-        "generated_tokens": sum(len(t) for _, _, t in freeze(log) if t is not None),
+        "requests": log.num_requests,
+        "generated_tokens": log.generated_tokens,
         **asdict(counters),
         "replay": replayed,
         "leaks": leaks,
@@ -529,7 +563,7 @@ def soak(args) -> dict[str, object]:
     }
 
 
-def restart_after_crash(engine, args, folder: Path, log: list, counters: Counters) -> Engine:
+def restart_after_crash(engine, args, folder: Path, log: RequestLog, counters: Counters) -> Engine:
     """The step raised: the engine must report EngineDeadError, close cleanly, and a new one
     must start in the same process."""
     try:

@@ -17,6 +17,7 @@ from model_helpers import save_hf_folder, tiny_hf_config
 from agentx.engine.models import loader as loader_module
 from agentx.engine.models.loader import Checkpoint, load_checkpoint
 from agentx.engine.models.loader.gguf import load_gguf
+from agentx.engine.models.loader.gguf_file import GGUFFile
 from agentx.engine.models.loader.safetensors import load_hf_folder
 from agentx.engine.models.spec import ModelSpec, RopeScaling
 from agentx.engine.models.tokenizer import Tokenizer
@@ -100,6 +101,31 @@ def test_non_model_files_are_load_errors(tmp_path: Path) -> None:
     for path in (text, fake, empty):
         with pytest.raises(ModelLoadError):
             load_checkpoint(path)
+
+
+def test_gguf_file_reads_what_gguf_reader_reads(model_path: Path) -> None:
+    """The fast header reader against the gguf package's own: every field's types and value,
+    every tensor's name, type, shape, dtype and bytes (GGUFReader adds GGUF.* pseudo-fields)."""
+    ours, theirs = GGUFFile(model_path), gguf.GGUFReader(model_path)
+    fields = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert [f.name for f in ours.fields] == list(fields)
+    for name, field in fields.items():
+        assert ours.get_field(name).types == field.types, name
+        assert ours.get_field(name).contents() == field.contents(), name
+    assert len(ours.tensors) == len(theirs.tensors) == 272
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_truncated_gguf_is_a_load_error(tmp_path: Path, model_path: Path) -> None:
+    for size in (4, 64, 400_000, 10_000_000):  # inside the header, the vocabulary, the data
+        cut = tmp_path / f"cut{size}.gguf"
+        with open(model_path, "rb") as f:
+            cut.write_bytes(f.read(size))
+        with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+            load_gguf(cut)
 
 
 def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

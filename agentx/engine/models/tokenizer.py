@@ -22,7 +22,8 @@ from agentx.errors import InvalidRequestError, ModelLoadError
 
 if TYPE_CHECKING:
     import tokenizers
-    from gguf import GGUFReader
+
+    from agentx.engine.models.loader.gguf_file import GGUFFile
 
 __all__ = ["Tokenizer"]
 
@@ -159,19 +160,18 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
     @classmethod
-    def from_gguf(cls, source: GGUFReader | str | os.PathLike[str]) -> Tokenizer:
+    def from_gguf(cls, source: GGUFFile | str | os.PathLike[str]) -> Tokenizer:
         """The tokenizer a GGUF file describes, built once per file version and cached.
 
         Looks in the in-process cache, then in ``<cache_dir>/tokenizers/<key>.json``, and builds
         from the metadata only when both miss (the key is the file's path, mtime and size). A
         given reader is used for that build; a path is opened only if it comes to that.
         """
-        from gguf import GGUFReader
-
+        from agentx.engine.models.loader.gguf_file import GGUFFile
         from agentx.engine.models.tokenizer_gguf import cached_gguf_tokenizer, open_gguf
 
-        if isinstance(source, GGUFReader):
-            path = Path(source.data.filename)
+        if isinstance(source, GGUFFile):
+            path = source.path
             return cached_gguf_tokenizer(path, lambda: source)
         path = Path(source)
         return cached_gguf_tokenizer(path, lambda: open_gguf(path))

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import tokenizers
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from agentx import env
+from agentx.engine.models.loader.gguf_file import GGUFFile
 from agentx.engine.models.tokenizer import _CACHE_FORMAT, Tokenizer
 from agentx.errors import ModelLoadError
 
@@ -104,7 +104,7 @@ _PRE_TOKENIZERS = {
 }
 
 
-def _build_from_gguf(reader: GGUFReader) -> Tokenizer:
+def _build_from_gguf(reader: GGUFFile) -> Tokenizer:
     model = _gguf_value(reader, "tokenizer.ggml.model")
     builders = {"gpt2": _build_byte_level_bpe, "llama": _build_sentencepiece_bpe}
     if model not in builders:
@@ -115,7 +115,7 @@ def _build_from_gguf(reader: GGUFReader) -> Tokenizer:
     return builders[model](reader)
 
 
-def _build_byte_level_bpe(reader: GGUFReader) -> Tokenizer:
+def _build_byte_level_bpe(reader: GGUFFile) -> Tokenizer:
     tokens: list[str] = _gguf_value(reader, "tokenizer.ggml.tokens")
     token_types: list[int] = _gguf_value(reader, "tokenizer.ggml.token_type") or []
     merges: list[str] = _gguf_value(reader, "tokenizer.ggml.merges") or []
@@ -136,7 +136,7 @@ def _build_byte_level_bpe(reader: GGUFReader) -> Tokenizer:
     return _wrap(reader, backend, recipe.add_bos if add_bos is None else bool(add_bos))
 
 
-def _build_sentencepiece_bpe(reader: GGUFReader) -> Tokenizer:
+def _build_sentencepiece_bpe(reader: GGUFFile) -> Tokenizer:
     """SentencePiece BPE as a ``tokenizers`` BPE: spaces become ``▁`` (plus one in front when
     ``add_space_prefix``), the whole text is one word, unknown bytes fall back to ``<0xNN>``.
 
@@ -188,7 +188,7 @@ def _build_sentencepiece_bpe(reader: GGUFReader) -> Tokenizer:
     return _wrap(reader, backend, True if add_bos is None else bool(add_bos))
 
 
-def _wrap(reader: GGUFReader, backend: tokenizers.Tokenizer, add_bos: bool) -> Tokenizer:
+def _wrap(reader: GGUFFile, backend: tokenizers.Tokenizer, add_bos: bool) -> Tokenizer:
     return Tokenizer(
         backend,
         bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
@@ -218,14 +218,14 @@ def _add_gguf_special_tokens(
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
 
-def _gguf_value(reader: GGUFReader, key: str) -> Any:
+def _gguf_value(reader: GGUFFile, key: str) -> Any:
     field = reader.get_field(key)
     return None if field is None else field.contents()
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return GGUFReader(path)
+        return GGUFFile(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from exc
 
@@ -253,7 +253,7 @@ def clear_tokenizer_cache() -> None:
         _memory_cache.clear()
 
 
-def cached_gguf_tokenizer(path: Path, open_reader: Callable[[], GGUFReader]) -> Tokenizer:
+def cached_gguf_tokenizer(path: Path, open_reader: Callable[[], GGUFFile]) -> Tokenizer:
     stat = path.stat()
     key = _FileKey(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     with _memory_lock:

@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from agentx.engine.models.gemma3 import Gemma3Config
 from agentx.engine.models.loader import Checkpoint
+from agentx.engine.models.loader.gguf_file import GGUFFile, GGUFTensor
 from agentx.engine.models.quant import QuantizedTensor
 from agentx.engine.models.spec import ModelSpec, RopeScaling
 from agentx.engine.models.tokenizer import Tokenizer
@@ -108,7 +109,7 @@ def load_gguf(
     return Checkpoint(spec=spec, weights=weights, tokenizer=tokenizer, path=path)
 
 
-def read_gguf_spec(reader: GGUFReader) -> ModelSpec:
+def read_gguf_spec(reader: GGUFFile) -> ModelSpec:
     """The architecture from ``<arch>.*`` metadata and the tensor list (no special token ids:
     those belong to the tokenizer and are filled in by :func:`load_gguf`)."""
     name = _metadata(reader, "general.architecture")
@@ -175,7 +176,7 @@ def _gemma3_fields(meta: Callable[..., Any], num_layers: int, head_dim: int) -> 
 
 
 def _read_weights(
-    reader: GGUFReader, spec: ModelSpec, dtype: torch.dtype, keep_quantized: bool
+    reader: GGUFFile, spec: ModelSpec, dtype: torch.dtype, keep_quantized: bool
 ) -> dict[str, torch.Tensor | QuantizedTensor]:
     architecture = _ARCHITECTURES[_metadata(reader, "general.architecture")]
     permuted_qk = architecture.permuted_qk
@@ -203,7 +204,7 @@ def _read_weights(
 _KEPT_TYPES = {GGMLQuantizationType.Q4_1: (4, 20), GGMLQuantizationType.Q8_0: (8, 34)}
 
 
-def _read_quantized(tensor: ReaderTensor) -> QuantizedTensor | None:
+def _read_quantized(tensor: GGUFTensor) -> QuantizedTensor | None:
     """Q4_1 (fp16 d, fp16 m, 16 bytes: element j low nibble, j + 16 high) and Q8_0 (fp16 d,
     32 int8) matrices as their integers and scales, exactly; None for any other type."""
     kept = _KEPT_TYPES.get(tensor.tensor_type)
@@ -245,7 +246,7 @@ def _hf_name(gguf_name: str, block_names: Mapping[str, str]) -> str:
     return f"model.layers.{match[1]}.{block_names[match[2]]}.{match[3]}"
 
 
-def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
+def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
@@ -274,9 +275,9 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _rope_scaling(
-    reader: GGUFReader,
+    reader: GGUFFile,
     name: str,
-    rope_freqs: ReaderTensor | None,
+    rope_freqs: GGUFTensor | None,
     head_dim: int,
     rope_theta: float,
 ) -> RopeScaling | None:
@@ -329,7 +330,7 @@ def _llama3_divisors(scaling: RopeScaling, head_dim: int, rope_theta: float) -> 
     return divisors
 
 
-def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     if field is None:
         return default
@@ -341,8 +342,8 @@ def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return value
 
 
-def _open(path: Path) -> GGUFReader:
+def _open(path: Path) -> GGUFFile:
     try:
-        return GGUFReader(path)
+        return GGUFFile(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from exc

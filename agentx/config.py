@@ -96,6 +96,12 @@ class SchedulerConfig:
     # progresses (and its time to first token stays bounded) even when decodes alone fill the
     # target: 4 blocks of 16 tokens.
     decode_step_min_prefill_tokens: int = 64
+    # First-turn lanes (engine/scheduler/lanes.py): a request admitted with more than this many
+    # tokens left to compute after its prefix hit is a cold first turn; while it runs beside
+    # warm turns it gets cold_prefill_share of each step's chunk tokens (kept for it, and no
+    # more), and warm turns are admitted ahead of cold ones. 0: one lane, admission order.
+    cold_prefill_tokens: int = 0
+    cold_prefill_share: float = 0.25
     # How the scheduler estimates a step's time (engine/scheduler/step_cost.py): "adaptive" fits
     # the measured steps of this engine, starting from the prior below; "fixed" keeps the prior
     # (deterministic schedules, for tests and reproducible runs).
@@ -121,6 +127,16 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not math.isfinite(self.step_cost_token_ms) or self.step_cost_token_ms <= 0:
             raise ConfigError(f"step_cost_token_ms must be positive, got {self.step_cost_token_ms}")
+        if not isinstance(self.cold_prefill_tokens, int) or self.cold_prefill_tokens < 0:
+            raise ConfigError(
+                f"cold_prefill_tokens must be an int >= 0 (0: no lanes), got "
+                f"{self.cold_prefill_tokens!r}"
+            )
+        share = self.cold_prefill_share
+        if not (isinstance(share, float | int) and 0 < share < 1):
+            raise ConfigError(
+                f"cold_prefill_share must be in (0, 1), got {self.cold_prefill_share!r}"
+            )
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0 (0 disables it)")
         if self.policy not in _POLICIES:

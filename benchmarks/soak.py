@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -519,6 +520,7 @@ def soak(args) -> dict[str, object]:
     log = RequestLog(args.replay_max, args.seed)
     before = resources()
     rss: list[float] = []
+    dead: list[weakref.ref] = []  # engines that crashed: each must be freed
     num_phases = max(1, int(args.seconds // args.phase_seconds))
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="agentx-soak-") as folder:
@@ -533,12 +535,16 @@ def soak(args) -> dict[str, object]:
                 if phase == 0:  # native libraries (Mooncake's event loops) open theirs once
                     before["fds"] = resources()["fds"]
                 if faults.crashed:
+                    dead.append(weakref.ref(engine))
                     engine = restart_after_crash(engine, args, Path(folder), log, counters)
                     faults = None
-                    gc.collect()  # the dead engine's memory goes back before the next phase
                 else:
                     check_clean(engine, phase, counters)
                 log.freeze()
+                gc.collect()  # a dead engine's memory goes back before the next phase
+                alive = [str(id(r())) for r in dead[:-1] if r() is not None]
+                if alive:  # the latest may still be referenced by this phase's last frames
+                    counters.failures.append(f"phase {phase}: crashed engines still alive: {alive}")
                 rss.append(round(rss_mib(), 1))
                 line = f"phase {phase:3d} {kind:17s} rss {rss[-1]:7.1f} MiB"
                 line += f" requests {log.num_requests:6d}"

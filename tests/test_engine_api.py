@@ -206,7 +206,8 @@ def test_cancelling_the_consumer_aborts_the_request(default_engine, backend):
         assert scope.cancel_called
 
     anyio.run(main, backend=backend)
-    assert len(seen) == 3
+    # a consumer slower than the loop gets several tokens in one output: at least 3, never all
+    assert 3 <= len(seen) < 2000
     # the abort is picked up by the loop thread before its next step
     for _ in range(100):
         if default_engine.get_num_live_requests() == 0 and default_engine.stats().num_running == 0:
@@ -245,12 +246,12 @@ def test_close_fails_live_requests_and_rejects_new_ones(make_engine):
     engine.close()  # idempotent
 
 
-def test_priority_queue_admits_lower_priority_value_first(make_engine):
-    from agentx import SchedulerConfig
+def test_priority_queue_admits_lower_priority_value_first():
+    from agentx import EngineConfig, SchedulerConfig
+    from agentx.engine.core import EngineCore
 
-    engine = make_engine(scheduler=SchedulerConfig(policy="priority", max_num_seqs=1))
-    core = engine.core
-    engine.close()  # drive the core by hand for an exact order
+    # a core without the client's loop thread, driven by hand for an exact order
+    core = EngineCore(EngineConfig(scheduler=SchedulerConfig(policy="priority", max_num_seqs=1)))
     p = SamplingParams(max_tokens=2, ignore_eos=True)
     for rid, prio in [("late-low", 5), ("urgent", -1), ("normal", 0)]:
         core.add_request(
@@ -264,6 +265,8 @@ def test_priority_queue_admits_lower_priority_value_first(make_engine):
     assert order == ["urgent", "normal", "late-low"]
     assert isinstance(core.scheduler.requests, dict) and not core.scheduler.requests
     assert Request  # the engine's own record type is importable for tests like this
+    core.close()
+    assert core.runner.model is None and core.runner.kv_caches == []  # a closed core holds none
 
 
 def test_runner_rows_are_released_when_the_last_requests_finish(make_engine):

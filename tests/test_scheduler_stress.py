@@ -44,6 +44,7 @@ def test_random_workload_keeps_invariants_and_outputs(seed, policy):
         long_prefill_token_threshold=rng.choice([0, 4, 8]),
         prefill_schedule_interval=rng.choice([1, 2]),
         policy=policy,
+        cold_prefill_tokens=rng.choice([0, 4, 12]),  # first-turn lanes off or on
     )
     s = Scheduler(cfg, kv, max_model_len=64)
     prefixes = [[rng.randrange(100) for _ in range(rng.randrange(1, 12))] for _ in range(3)]

@@ -15,6 +15,7 @@ second thread builds the grammar tokenizer tables and compiles the chat template
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import threading
@@ -389,6 +390,7 @@ class Engine:
             self._cond.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+            _return_freed_heap()
 
     @property
     def closed(self) -> bool:
@@ -405,6 +407,23 @@ class Engine:
 
     async def __aexit__(self, *exc) -> None:
         self.close()
+
+
+def _return_freed_heap() -> None:
+    """Give the heap pages the closed engine's threads freed back to the OS (glibc keeps them
+    in its per-thread arenas): without it a process that restarts engines, as a harness does
+    after an EngineDeadError, grew ~150 MiB a restart in the soak. A no-op off glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Callable[[int], int] | bool | None = None
 
 
 def _make_options(options: RequestOptions | None, fields: dict) -> RequestOptions:

@@ -313,9 +313,12 @@ class EngineCore:
         warm_up(self.runner)
 
     def close(self) -> None:
+        """Loop thread only, after its last step: the tiers close and the model and KV pool
+        go, so a closed engine that something still references holds no large memory."""
         self.offload.close()
         if self._mask_worker is not None:
             self._mask_worker.shutdown(wait=True)
+        self.runner.release()
 
     # ---- one step ----------------------------------------------------------------------------
 

@@ -101,6 +101,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix hit when first scheduled; -1 until then
     num_preemptions: int = 0
+    in_cold_lane: bool = False  # admitted as a cold first turn (engine/scheduler/lanes.py)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(init=False, default_factory=list)

@@ -69,6 +69,11 @@ class ModelRunner:
             tuple(isinstance(g.spec, LinearStateSpec) for g in self.layout.groups),
         )
 
+    def release(self) -> None:
+        """Drop the model and the KV pool (the engine closed: no step runs again)."""
+        self.model = None
+        self.kv_slots, self.kv_caches = (), []
+
     def forget(self, request_ids: frozenset[str]) -> None:
         """Drop the state of requests that ended (a step with nothing scheduled still must)."""
         for rid in request_ids:

@@ -37,6 +37,7 @@ from agentx.engine.outputs import (
     SchedulerOutput,
 )
 from agentx.engine.request import FINISH_REASONS, Request, RequestStatus
+from agentx.engine.scheduler.lanes import FirstTurnLanes
 from agentx.engine.scheduler.queues import QUEUES
 from agentx.engine.scheduler.step_cost import StepCostModel, make_step_cost
 from agentx.errors import PromptTooLongError
@@ -91,6 +92,12 @@ class Scheduler:
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.queue_cls = QUEUES[config.policy]
+        self.lanes = (
+            FirstTurnLanes(config.cold_prefill_tokens, config.cold_prefill_share)
+            if config.cold_prefill_tokens
+            else None
+        )
+        self._chunk_share = 0  # the chunk tokens of the step being built
         self.waiting = self.queue_cls()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}  # waiting on an offload load, out of line
@@ -177,15 +184,39 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = _StepBudget(self.config.max_num_batched_tokens, self._get_chunk_share())
+        self._chunk_share = self._get_chunk_share()
+        budget = _StepBudget(self.config.max_num_batched_tokens, self._chunk_share)
         scheduled: dict[str, _Scheduled] = {}
-        preempted_any = False
+        lanes = self.lanes
+        cold = [r for r in self.running if lanes.is_cold(r)] if lanes is not None else []
+        warm = [r for r in self.running if r not in cold] if cold else list(self.running)
+        # while a cold prefill runs, its lane's share is kept for it
+        reserved = min(lanes.get_cold_share(self._chunk_share), self._chunk_share) if cold else 0
+        budget.num_chunk_tokens -= reserved
+        preempted_any = self._schedule_running(warm, budget, scheduled)
+        admit = not preempted_any and self._may_admit()
+        if admit:
+            self._admit_waiting(budget, scheduled, None if lanes is None else False)
+        budget.num_chunk_tokens += reserved
+        if lanes is not None:
+            self._schedule_cold_lane(cold, admit, budget, scheduled)
+        self._add_drafts(budget, scheduled)
 
-        for request in list(self.running):
+        output = self._build_output(scheduled)
+        self._step_started = None if output.is_empty else self.clock()
+        return output
+
+    def _schedule_running(
+        self, requests: list[Request], budget: _StepBudget, scheduled: dict[str, _Scheduled]
+    ) -> bool:
+        """Give running requests their tokens in order, preempting for blocks; whether any
+        request was preempted."""
+        preempted_any = False
+        for request in requests:
             if budget.num_tokens <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             num_new = self._clip(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
                 continue  # the chunk share is spent; decodes behind it still run
@@ -199,14 +230,39 @@ class Scheduler:
                 continue
             scheduled[request.request_id] = _Scheduled(request, num_new, new_blocks, [])
             budget.take(num_new)
+        return preempted_any
 
-        if not preempted_any and self._may_admit():
-            self._admit_waiting(budget, scheduled)
-        self._add_drafts(budget, scheduled)
+    def _schedule_cold_lane(
+        self,
+        cold: list[Request],
+        admit: bool,
+        budget: _StepBudget,
+        scheduled: dict[str, _Scheduled],
+    ) -> None:
+        """The cold lane: running cold prefills, then cold waiting turns. While warm work was
+        left wanting (a warm chunk clipped, a warm turn still waiting) only the lane's share;
+        otherwise whatever the warm lane left."""
+        left = budget.num_chunk_tokens
+        if self._warm_left_wanting(scheduled):
+            budget.num_chunk_tokens = min(left, self.lanes.get_cold_share(self._chunk_share))
+        before = budget.num_chunk_tokens
+        preempted_any = self._schedule_running(cold, budget, scheduled)
+        if admit and not preempted_any:
+            self._admit_waiting(budget, scheduled, True)
+        budget.num_chunk_tokens = left - (before - budget.num_chunk_tokens)
 
-        output = self._build_output(scheduled)
-        self._step_started = None if output.is_empty else self.clock()
-        return output
+    def _warm_left_wanting(self, scheduled: dict[str, _Scheduled]) -> bool:
+        for request in self.running:
+            if self.lanes.is_cold(request):
+                continue
+            item = scheduled.get(request.request_id)
+            if (item.num_new if item else 0) < request.num_tokens - request.num_computed_tokens:
+                return True
+        return any(not self._joins_cold_lane(r) for r in self.waiting)
+
+    def _joins_cold_lane(self, request: Request) -> bool:
+        num_hit = self.kv.get_computed_blocks(request)[1]
+        return self.lanes.joins_cold_lane(request.num_tokens, num_hit)
 
     def _get_chunk_share(self) -> int:
         """Tokens that requests given more than one token may take this step: the whole budget,
@@ -266,19 +322,26 @@ class Scheduler:
         interval = self.config.prefill_schedule_interval
         return interval == 1 or not self.running or self.num_steps % interval == 0
 
-    def _admit_waiting(self, budget: _StepBudget, scheduled: dict[str, _Scheduled]) -> None:
-        while (
-            self.waiting and budget.num_tokens > 0 and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting.peek()
+    def _admit_waiting(
+        self, budget: _StepBudget, scheduled: dict[str, _Scheduled], cold: bool | None = None
+    ) -> None:
+        """Admit waiting requests in queue order while they fit; with lanes (``cold`` not None)
+        only those of one lane, passing over the other's."""
+        for request in list(self.waiting):
+            if budget.num_tokens <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            is_cold = cold is not None and self.lanes.joins_cold_lane(request.num_tokens, num_hit)
+            if cold is not None and is_cold != cold:
+                continue
             num_new = self._clip(request.num_tokens - num_hit, budget)
             if num_new == 0:
                 break  # the chunk share is spent; admission keeps the queue's order
             new_blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks)
             if new_blocks is None:
                 break  # the pool is full; running requests will free blocks
-            self.waiting.pop()
+            self.waiting.remove(request)
+            request.in_cold_lane = is_cold
             self._spend_held(request)
             self.running.append(request)
             if request.num_cached_tokens < 0:

@@ -7,11 +7,13 @@ queues, prefix hashes or requests beyond their ids.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from agentx import kernels
 from agentx.config import EngineConfig
-from agentx.engine.kv_cache import BlockCopy, LinearStateSpec
+from agentx.engine.kv_cache import BlockCopy, KVCacheLayout, LinearStateSpec
 from agentx.engine.models.blocks import DecoderLayer
 from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.layers import QuantizableLinear
@@ -27,6 +29,7 @@ from agentx.engine.parallel import SINGLE, ParallelState
 from agentx.engine.runner.input_batch import InputBatch
 from agentx.engine.runner.kv_layout import allocate_kv_caches, get_layer_specs, plan_kv_layout
 from agentx.engine.runner.sampler import sample
+from agentx.engine.runner.warmup import warm_up
 from agentx.engine.structured import apply_bitmask
 from agentx.errors import ConfigError
 
@@ -52,10 +55,7 @@ class ModelRunner:
         fused = finalize_weights(model, config.quantization)
         self.model = model.eval()
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, fused)
-        layer_specs = get_layer_specs(
-            spec, self.model, config.cache.block_size, self.kv_dtype, parallel.tp_size
-        )
-        self.layout = plan_kv_layout(layer_specs, config.cache)
+        self.layout = plan_rank_layout(config, spec, self.model, self.kv_dtype, parallel)
         self.kv_slots, self.kv_caches = allocate_kv_caches(self.layout, self.device)
         self.layer_groups = tuple(
             next(g for g, group in enumerate(self.layout.groups) if i in group.layer_ids)
@@ -68,6 +68,17 @@ class ModelRunner:
             block_size,
             tuple(isinstance(g.spec, LinearStateSpec) for g in self.layout.groups),
         )
+
+    def warm_up(self) -> None:
+        """One small forward outside the scheduler (``warmup.py``), before the first step."""
+        warm_up(self)
+
+    def get_request_ids(self) -> set[str]:
+        """Requests the runner keeps a row for."""
+        return set(self.input_batch.row_of)
+
+    def close(self) -> None:
+        """Nothing to stop in-process (the executor protocol: ``parallel/executor.py``)."""
 
     def forget(self, request_ids: frozenset[str]) -> None:
         """Drop the state of requests that ended (a step with nothing scheduled still must)."""
@@ -162,13 +173,33 @@ def _verify(
 def finalize_weights(model: torch.nn.Module, mode: str) -> bool:
     """Fix how every linear layer keeps its weight (quantized or float; ``models/quant.py``),
     then let each decoder layer whose shape allows it run as one fused op; True when any
-    does."""
+    does (or would at one rank: the KV cache dtype follows)."""
     kernels_ready = kernels.prepare()
     for module in model.modules():
         if isinstance(module, QuantizableLinear):
             module.finalize_weights(mode, kernels_ready)
-    fused = [m.fuse() for m in model.modules() if isinstance(m, DecoderLayer)]
-    return any(fused)
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    fused = [m.fuse() for m in layers]
+    # a tensor-parallel rank keeps the KV dtype its layers would read fused at one rank
+    return any(fused) or any(m.fusable() for m in layers)
+
+
+def plan_rank_layout(
+    config: EngineConfig,
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    kv_dtype: torch.dtype,
+    parallel: ParallelState,
+) -> KVCacheLayout:
+    """This rank's KV layout. Every rank holds as many blocks as rank 0, which has the most KV
+    heads (``ParallelState.head_shard``), fits in ``kv_cache_bytes``: one block id means the same
+    tokens on every rank, and the scheduler plans one pool."""
+    block_size, cache = config.cache.block_size, config.cache
+    if parallel.tp_rank:
+        first = ParallelState(0, parallel.tp_size)
+        widest = plan_kv_layout(get_layer_specs(spec, model, block_size, kv_dtype, first), cache)
+        cache = replace(cache, num_blocks=widest.num_blocks)
+    return plan_kv_layout(get_layer_specs(spec, model, block_size, kv_dtype, parallel), cache)
 
 
 def resolve_kv_dtype(config: EngineConfig, model_dtype: torch.dtype, fused: bool) -> torch.dtype:

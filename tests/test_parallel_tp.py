@@ -25,6 +25,7 @@ from model_helpers import save_hf_folder, tiny_hf_config
 
 from agentx import (
     CacheConfig,
+    ConfigError,
     Engine,
     EngineConfig,
     EngineDeadError,
@@ -32,6 +33,7 @@ from agentx import (
     SamplingParams,
     SchedulerConfig,
 )
+from agentx.engine.parallel import HeadShard, ParallelState
 
 NUM_BLOCKS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -122,11 +124,11 @@ def test_tp2_replicated_kv_head_and_dead_worker(tiny_folder):
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with Engine(_config(1, model=str(tiny_folder))) as tp1:
         want = tp1.generate(prompt, sampling)[0].token_ids
-    engine = Engine(_config(2, model=str(tiny_folder), num_blocks=64))
+    engine = Engine(_config(2, model=str(tiny_folder), num_blocks=160))
     try:
         assert engine.generate(prompt, sampling)[0].token_ids == want
         pids = engine.core.runner.pids
-        stream = engine.add_request(prompt, SamplingParams(max_tokens=4000, ignore_eos=True))
+        stream = engine.add_request(prompt, SamplingParams(max_tokens=2000, ignore_eos=True))
         _wait_for_tokens(stream)
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(EngineDeadError):
@@ -156,11 +158,24 @@ def _alive(pid: int) -> bool:
 
 
 def test_parallel_config_validation():
-    from agentx import ConfigError
-
     assert ParallelConfig(tp=2).world_size == 2
     for bad in ({"tp": 0}, {"tp": 1.5}, {"backend": "mpi"}, {"dcp": 2}, {"ep": 2}):
         with pytest.raises(ConfigError):
             ParallelConfig(**bad)
     with pytest.raises(ConfigError):
         EngineConfig(parallel={"tp": 2})
+
+
+def test_head_shards():
+    def shards(num_heads, num_kv_heads, tp):
+        return [ParallelState(r, tp).head_shard(num_heads, num_kv_heads) for r in range(tp)]
+
+    # SmolLM2: 9 query heads in 3 GQA groups; rank 0 takes two groups
+    assert shards(9, 3, 2) == [HeadShard(0, 6, 0, 2), HeadShard(6, 3, 2, 1)]
+    # one KV head, replicated; its 4 query heads split
+    assert shards(4, 1, 2) == [HeadShard(0, 2, 0, 1), HeadShard(2, 2, 0, 1)]
+    assert shards(8, 2, 4)[3] == HeadShard(6, 2, 1, 1)
+    with pytest.raises(ConfigError):
+        shards(9, 3, 4)  # 3 KV heads cannot be replicated over 4 ranks
+    with pytest.raises(ConfigError):
+        Engine(_config(4))  # refused before any worker starts

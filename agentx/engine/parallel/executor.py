@@ -23,6 +23,7 @@ from agentx.engine.kv_cache import BlockCopy, KVCacheLayout
 from agentx.engine.models.loader import Checkpoint
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
+from agentx.engine.parallel.state import ParallelState
 from agentx.engine.runner import ModelRunner
 
 
@@ -84,6 +85,9 @@ def make_executor(config: EngineConfig, checkpoint: Checkpoint) -> Executor:
     checkpoint themselves: the caller keeps only its tokenizer and spec)."""
     if config.parallel.world_size == 1:
         return ModelRunner(config, checkpoint.spec, checkpoint.weights)
+    spec, tp = checkpoint.spec, config.parallel.tp
+    for rank in range(tp):  # a ConfigError here, before any process starts
+        ParallelState(rank, tp).head_shard(spec.num_heads, spec.num_kv_heads)
     from agentx.engine.parallel.multiproc import MultiprocExecutor  # it imports this module
 
     return MultiprocExecutor(config, checkpoint.spec)

@@ -203,8 +203,8 @@ class ParallelConfig:
     parallel, ``ep`` expert parallel and ``dp`` data-parallel replicas behind a session router.
     With ``tp * dcp * pcp > 1`` the scheduler and KV manager stay in the caller's process and one
     worker process per rank runs the model. ``dp`` replicas are built by
-    ``agentx.engine.router.ReplicaRouter`` (an ``Engine`` is one replica). ``backend`` is the torch.distributed backend:
-    "auto" is gloo on CPU (over loopback) and NCCL on CUDA.
+    ``agentx.engine.router.ReplicaRouter`` (an ``Engine`` is one replica). ``backend`` is the
+    torch.distributed backend: "auto" is gloo on CPU (over loopback) and NCCL on CUDA.
     """
 
     tp: int = 1

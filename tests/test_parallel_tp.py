@@ -8,10 +8,11 @@ Why chosen prompts, not every prompt: at tp=1 SmolLM2's layers run as one fused 
 in place), which a tensor-parallel rank cannot (its o_proj and down_proj all-reduce between the
 projections); tp=2 runs the same quantized kernels op by op, and sums the two ranks' partial
 o_proj / down_proj outputs, so float additions happen in another order. On near-ties greedy then
-picks differently: of 8 prompts behind an 80-token prefix, 4 keep all 24 tokens, 4 differ (at
-tokens 0, 2, 8, 8); on "def fibonacci(n):\n" tp=1 forced op by op picks what tp=2 picks. With the reference kernels (``AGENTX_KERNELS=ref``: no fused path at tp=1) tp=2 gave
-tp=1's tokens. Bit-exact tensor parallelism would need the fused layer's float order across
-ranks (docs/BENCHMARKS.md, "Parallel").
+picks differently: of 8 prompts behind a 72-token prefix, 4 keep all 24 tokens, 4 differ (at
+tokens 0, 2, 8, 8); on "def fibonacci(n):\n" tp=1 forced op by op picks what tp=2 picks. With
+the reference kernels (``AGENTX_KERNELS=ref``: no fused path at tp=1) all 8 match. Bit-exact
+tensor parallelism would need the fused layer's float order across ranks (docs/BENCHMARKS.md,
+"Parallel backends").
 """
 
 import multiprocessing

@@ -226,6 +226,8 @@ class ParallelConfig:
         for name in _NOT_BUILT:
             if getattr(self, name) > 1:
                 raise ConfigError(f"parallel.{name} > 1 is not built yet (issue 12)")
+        if self.tp > 1 and self.dcp > 1:
+            raise ConfigError("parallel.tp and parallel.dcp together are not built yet")
 
     @property
     def world_size(self) -> int:
@@ -234,7 +236,7 @@ class ParallelConfig:
 
 
 # degrees whose code has not landed yet: refused when the config is built, never ignored
-_NOT_BUILT = ("dcp", "pcp", "ep")
+_NOT_BUILT = ("pcp", "ep")
 
 
 @dataclass(frozen=True, slots=True)

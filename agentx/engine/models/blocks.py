@@ -124,6 +124,7 @@ class Attention(nn.Module):
             self.head_dim**-0.5 if scale is None else scale,
             layer_id,
             sliding_window=sliding_window,
+            parallel=parallel,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -216,7 +217,7 @@ class DecoderLayer(nn.Module):
             return False
         attn, mlp = getattr(self, self.mixer_name), self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.parallel.tp_size != 1 for lin in linears):
+        if any(lin.parallel.tp_size != 1 for lin in linears) or attn.attn.parallel.dcp_size != 1:
             return False
         weights = [self.input_layernorm.weight]
         for lin in linears[:2]:

@@ -1,4 +1,5 @@
-"""Which rank this process is in its tensor-parallel group, and which heads it owns.
+"""Which rank this process is in its tensor- and decode-context-parallel groups, and which heads
+it owns.
 
 Passed explicitly into model constructors (never a mutable global), so the same model code
 runs at world size 1 and under tensor parallelism.
@@ -30,10 +31,16 @@ class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None  # a torch.distributed ProcessGroup when tp_size > 1
+    # decode context parallel: this rank holds the KV of positions p with p % dcp_size == dcp_rank
+    dcp_rank: int = 0
+    dcp_size: int = 1
+    dcp_group: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if not 0 <= self.dcp_rank < self.dcp_size:
+            raise ValueError(f"dcp_rank {self.dcp_rank} outside dcp_size {self.dcp_size}")
 
     def head_shard(self, num_heads: int, num_kv_heads: int) -> HeadShard:
         """This rank's heads. KV heads are split as evenly as they go (the first ranks take one
@@ -73,6 +80,14 @@ class ParallelState:
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         torch.distributed.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
+
+    def dcp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(*shape) on every DCP rank -> (dcp_size, *shape), rank order."""
+        if self.dcp_size == 1:
+            return x.unsqueeze(0)
+        parts = [torch.empty_like(x) for _ in range(self.dcp_size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.dcp_group)
+        return torch.stack(parts)
 
 
 SINGLE = ParallelState()

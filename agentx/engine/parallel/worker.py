@@ -131,11 +131,19 @@ def _start(spec: WorkerSpec) -> ModelRunner:
     torch.distributed.init_process_group(
         spec.backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size
     )
-    parallel = ParallelState(spec.rank, spec.world_size, torch.distributed.group.WORLD)
+    parallel = rank_state(config, spec.rank)
     checkpoint = load_checkpoint(
         config.model, DTYPES[config.dtype], keep_quantized=config.quantization != "none"
     )
     return ModelRunner(config, checkpoint.spec, checkpoint.weights, parallel)
+
+
+def rank_state(config: EngineConfig, rank: int) -> ParallelState:
+    """This rank's place: one group spans the world (tp and dcp do not combine yet)."""
+    world = torch.distributed.group.WORLD
+    if config.parallel.dcp > 1:
+        return ParallelState(dcp_rank=rank, dcp_size=config.parallel.dcp, dcp_group=world)
+    return ParallelState(rank, config.parallel.tp, world)
 
 
 def _serve(served: RankRunner, conn: Connection, rank: int) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from agentx import kernels
 from agentx.config import EngineConfig
-from agentx.engine.kv_cache import BlockCopy, KVCacheLayout, LinearStateSpec
+from agentx.engine.kv_cache import BlockCopy, FullAttentionSpec, KVCacheLayout, LinearStateSpec
 from agentx.engine.models.blocks import DecoderLayer
 from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.layers import QuantizableLinear
@@ -55,8 +55,11 @@ class ModelRunner:
         fused = finalize_weights(model, config.quantization)
         self.model = model.eval()
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, fused)
-        self.layout = plan_rank_layout(config, spec, self.model, self.kv_dtype, parallel)
-        self.kv_slots, self.kv_caches = allocate_kv_caches(self.layout, self.device)
+        # the memory this rank holds; ``layout`` is the pool the scheduler plans (the same
+        # but for decode context parallel, whose scheduler blocks span every rank's block)
+        self.local_layout = plan_rank_layout(config, spec, self.model, self.kv_dtype, parallel)
+        self.layout = scheduler_layout(self.local_layout, parallel)
+        self.kv_slots, self.kv_caches = allocate_kv_caches(self.local_layout, self.device)
         self.layer_groups = tuple(
             next(g for g, group in enumerate(self.layout.groups) if i in group.layer_ids)
             for i in range(spec.num_layers)
@@ -98,7 +101,7 @@ class ModelRunner:
     @property
     def page_bytes(self) -> int:
         """Bytes of one block id across every slot (all layers of its group): an offload page."""
-        return self.layout.page_size_bytes * self.layout.num_slots
+        return self.local_layout.page_size_bytes * self.local_layout.num_slots
 
     @torch.inference_mode()
     def gather_pages(self, block_ids: list[int]) -> torch.Tensor:
@@ -195,11 +198,27 @@ def plan_rank_layout(
     heads (``ParallelState.head_shard``), fits in ``kv_cache_bytes``: one block id means the same
     tokens on every rank, and the scheduler plans one pool."""
     block_size, cache = config.cache.block_size, config.cache
+    if parallel.dcp_size > 1:
+        block_size //= parallel.dcp_size  # this rank's share of each scheduler block
     if parallel.tp_rank:
         first = ParallelState(0, parallel.tp_size)
         widest = plan_kv_layout(get_layer_specs(spec, model, block_size, kv_dtype, first), cache)
         cache = replace(cache, num_blocks=widest.num_blocks)
     return plan_kv_layout(get_layer_specs(spec, model, block_size, kv_dtype, parallel), cache)
+
+
+def scheduler_layout(local: KVCacheLayout, parallel: ParallelState) -> KVCacheLayout:
+    """The pool the scheduler plans: this rank's, with blocks ``dcp_size`` times longer (one
+    block id names a block on every DCP rank; ``models/attention.py`` has the mapping)."""
+    n = parallel.dcp_size
+    if n == 1:
+        return local
+    if any(not isinstance(g.spec, FullAttentionSpec) for g in local.groups):
+        raise ConfigError("decode context parallel takes full-attention models only (for now)")
+    groups = tuple(
+        replace(g, spec=replace(g.spec, block_size=g.spec.block_size * n)) for g in local.groups
+    )
+    return KVCacheLayout(local.num_blocks, groups, local.page_size_bytes * n)
 
 
 def resolve_kv_dtype(config: EngineConfig, model_dtype: torch.dtype, fused: bool) -> torch.dtype:

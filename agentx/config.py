@@ -288,6 +288,10 @@ class EngineConfig:
             raise ConfigError("speculative must be a SpeculativeConfig")
         if not isinstance(self.parallel, ParallelConfig):
             raise ConfigError("parallel must be a ParallelConfig")
+        if self.cache.block_size % self.parallel.dcp:
+            raise ConfigError(
+                f"cache.block_size {self.cache.block_size} must split over dcp={self.parallel.dcp}"
+            )
 
     @property
     def model_path(self) -> Path | None:

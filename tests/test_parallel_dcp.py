@@ -82,6 +82,8 @@ def test_dcp_config():
     assert ParallelConfig(dcp=2).world_size == 2
     with pytest.raises(ConfigError):
         ParallelConfig(tp=2, dcp=2)  # TP x DCP is not built yet
+    with pytest.raises(ConfigError):
+        EngineConfig(cache=CacheConfig(block_size=1), parallel=ParallelConfig(dcp=2))
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,19 @@ def test_tp2_pool_holds_more_tokens_per_rank(engines):
     assert tp2.core.runner.page_bytes == tp1.core.runner.page_bytes
 
 
+def test_tp2_pages_round_trip_over_ranks(engines):
+    """Offload pages of a tp=2 engine are both ranks' shards of a block, side by side."""
+    tp1, tp2 = engines
+    runner = tp2.core.runner
+    with tp2._step_lock:  # the loop thread's lock: no step touches the blocks meanwhile
+        saved = runner.gather_pages([3, 4])
+        assert saved.shape == (2, runner.page_bytes)
+        pages = torch.randint(0, 256, saved.shape, dtype=torch.uint8)
+        runner.scatter_pages([3, 4], pages)
+        assert torch.equal(runner.gather_pages([3, 4]), pages)
+        runner.scatter_pages([3, 4], saved)
+
+
 def test_tp2_close_leaves_no_process():
     engine = Engine(_config(2, num_blocks=8))
     pids = engine.core.runner.pids
@@ -160,7 +173,7 @@ def _alive(pid: int) -> bool:
 
 def test_parallel_config_validation():
     assert ParallelConfig(tp=2).world_size == 2
-    for bad in ({"tp": 0}, {"tp": 1.5}, {"backend": "mpi"}, {"dcp": 2}, {"ep": 2}):
+    for bad in ({"tp": 0}, {"tp": 1.5}, {"backend": "mpi"}, {"pcp": 2}, {"ep": 2}):
         with pytest.raises(ConfigError):
             ParallelConfig(**bad)
     with pytest.raises(ConfigError):

@@ -15,6 +15,7 @@ from agentx.config import (
     CacheConfig,
     EngineConfig,
     OffloadConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "ModelNotFoundError",
     "OffloadConfig",
     "OffloadError",
+    "ParallelConfig",
     "Pin",
     "Priority",
     "PromptTooLongError",

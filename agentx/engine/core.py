@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -31,14 +32,13 @@ from agentx.engine.offload.fingerprint import checkpoint_digest, page_fingerprin
 from agentx.engine.offload.interface import KVExport, NullOffload, Offload
 from agentx.engine.offload.manager import OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
+from agentx.engine.parallel.executor import Executor, make_executor
 from agentx.engine.request import Request, RequestOptions, RequestStatus
-from agentx.engine.runner import ModelRunner
 from agentx.engine.runner.model_runner import DTYPES
-from agentx.engine.runner.warmup import warm_up
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.scheduler import Scheduler, make_output
 from agentx.engine.structured import GrammarBackend
-from agentx.errors import InvalidRequestError
+from agentx.errors import ConfigError, InvalidRequestError
 
 
 @dataclass(slots=True)
@@ -84,6 +84,8 @@ class _TextState:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.parallel.dp > 1:
+            raise ConfigError("parallel.dp > 1 needs a ReplicaRouter (engine/router.py)")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         checkpoint = load_checkpoint(
@@ -91,9 +93,31 @@ class EngineCore:
         )
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.spec = checkpoint.spec
-        self.runner = ModelRunner(config, checkpoint.spec, checkpoint.weights)
+        self.runner: Executor = make_executor(config, checkpoint)
         checkpoint_path = checkpoint.path
         del checkpoint
+        try:
+            self._build_cache(config, checkpoint_path)
+        except BaseException:  # worker processes do not outlive a failed start
+            self.runner.close()
+            raise
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            self.spec.eos_token_ids
+        )
+        self._texts: dict[str, _TextState] = {}
+        self._rng = random.Random(config.seed)
+        self._grammar: GrammarBackend | None = None  # built by prepare() or on first use
+        self._grammar_lock = threading.Lock()
+        self._mask_worker: ThreadPoolExecutor | None = None
+        spec = config.speculative
+        # a linear state cannot roll back rejected drafts: such layouts never draft
+        self._speculate = spec.enabled and not self.kv.coordinator.has_linear
+        self.draft_source = DraftSource(spec.num_engine_outputs)  # recent outputs, engine-wide
+        self.is_idle = False  # the last step had nothing to schedule
+        self.wait_when_idle = True
+
+    def _build_cache(self, config: EngineConfig, checkpoint_path: Path) -> None:
+        """The KV manager, the scheduler and the offload tiers, over the runner's layout."""
         self.max_model_len = self.runner.max_model_len
         cache = config.cache
         self.kv = KVCacheManager(
@@ -123,20 +147,6 @@ class EngineCore:
                 if master is not None:
                     master.stop()
                 raise
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
-            self.spec.eos_token_ids
-        )
-        self._texts: dict[str, _TextState] = {}
-        self._rng = random.Random(config.seed)
-        self._grammar: GrammarBackend | None = None  # built by prepare() or on first use
-        self._grammar_lock = threading.Lock()
-        self._mask_worker: ThreadPoolExecutor | None = None
-        spec = config.speculative
-        # a linear state cannot roll back rejected drafts: such layouts never draft
-        self._speculate = spec.enabled and not self.kv.coordinator.has_linear
-        self.draft_source = DraftSource(spec.num_engine_outputs)  # recent outputs, engine-wide
-        self.is_idle = False  # the last step had nothing to schedule
-        self.wait_when_idle = True
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -310,7 +320,7 @@ class EngineCore:
     def warm_up(self) -> None:
         """One small forward outside the scheduler (``runner/warmup.py``); loop thread only,
         before the first step."""
-        warm_up(self.runner)
+        self.runner.warm_up()
 
     def close(self) -> None:
         """Loop thread only, after its last step: the tiers close and the model and KV pool
@@ -318,7 +328,7 @@ class EngineCore:
         self.offload.close()
         if self._mask_worker is not None:
             self._mask_worker.shutdown(wait=True)
-        self.runner.release()
+        self.runner.close()
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -416,7 +426,7 @@ class EngineCore:
         self.scheduler.check_integrity()
         self.offload.check_integrity()
         assert set(self._texts) == set(self.scheduler.requests), "text state drifted"
-        rows = set(self.runner.input_batch.row_of)
+        rows = self.runner.get_request_ids()
         known = self.scheduler.get_runner_request_ids()
         assert rows <= known, f"the runner keeps rows of finished requests: {rows - known}"
 

@@ -86,7 +86,9 @@ conv_window = _ref.conv_window
 gated_delta_rule_chunked = _ref.gated_delta_rule_chunked
 gated_delta_rule_recurrent = _ref.gated_delta_rule_recurrent
 gelu_tanh_and_mul = _ref.gelu_tanh_and_mul
+merge_attention_parts = _ref.merge_attention_parts
 moe_experts = _ref.moe_experts
+paged_attention_partial = _ref.paged_attention_partial
 rms_norm = _ref.rms_norm
 rms_norm_gated = _ref.rms_norm_gated
 silu_and_mul = _ref.silu_and_mul
@@ -104,9 +106,11 @@ __all__ = [
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",
+    "merge_attention_parts",
     "moe_experts",
     "pack_quantized_weight",
     "paged_attention",
+    "paged_attention_partial",
     "prepare",
     "quantized_linear",
     "rms_norm",

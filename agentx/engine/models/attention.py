@@ -3,6 +3,15 @@
 It reads the step's layout from the forward context, so model code never sees block tables.
 All KV writes of a step's batch happen before its reads (per layer), which is what lets a
 request hit blocks another request of the same step is computing.
+
+Under decode context parallel (``parallel.dcp_size = N``) the scheduler's block of B tokens is N
+physical blocks of B / N, one per rank, and one block id names all of them; rank r keeps the
+positions p with p % N == r::
+
+    scheduler block j, offset o in [0, B)  ->  rank o % N, its block j, offset o // N
+
+Each rank writes its own tokens, attends over them with their log-sum-exp, and the ranks' parts
+merge exactly (``kernels/ref/attention_partial.py``); every rank ends with the whole output.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from torch import nn
 
 from agentx import kernels
 from agentx.engine.models.forward_context import get_forward_context
+from agentx.engine.parallel import SINGLE, ParallelState
 
 
 class PagedAttention(nn.Module):
@@ -23,8 +33,10 @@ class PagedAttention(nn.Module):
         scale: float,
         layer_id: int,
         sliding_window: int | None = None,
+        parallel: ParallelState = SINGLE,
     ) -> None:
         super().__init__()
+        self.parallel = parallel
         self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -37,6 +49,8 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_id]
         meta = ctx.attn_for(self.layer_id)
+        if self.parallel.dcp_size > 1:
+            return self._forward_dcp(q, k, v, kv_cache, meta)
         kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
         return kernels.paged_attention(
             q,
@@ -51,3 +65,26 @@ class PagedAttention(nn.Module):
             token_req=meta.token_req,
             token_len=meta.token_len,
         )
+
+    def _forward_dcp(self, q, k, v, kv_cache, meta) -> torch.Tensor:
+        num_ranks, rank = self.parallel.dcp_size, self.parallel.dcp_rank
+        block_size = kv_cache.shape[2]  # this rank's share of a scheduler block
+        blocks, offsets = (
+            meta.slot_mapping // (block_size * num_ranks),
+            meta.slot_mapping % (block_size * num_ranks),
+        )
+        mine = offsets % num_ranks == rank
+        local_slots = blocks * block_size + offsets // num_ranks
+        kernels.write_kv(k[mine], v[mine], kv_cache, local_slots[mine])
+        out, lse = kernels.paged_attention_partial(
+            q,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            self.scale,
+            num_ranks,
+            rank,
+        )
+        outs, lses = self.parallel.dcp_all_gather(out), self.parallel.dcp_all_gather(lse)
+        return kernels.merge_attention_parts(outs, lses).to(q.dtype)  # (T, H, D)

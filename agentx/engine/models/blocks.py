@@ -93,21 +93,28 @@ class Attention(nn.Module):
         output_gate: bool = False,
     ) -> None:
         super().__init__()
-        tp = parallel.tp_size
-        self.num_heads = spec.num_heads // tp
-        self.num_kv_heads = max(1, spec.num_kv_heads // tp)
-        self.head_dim = spec.head_dim
+        heads = parallel.head_shard(spec.num_heads, spec.num_kv_heads)
+        self.num_heads, self.num_kv_heads = heads.num_q, heads.num_kv
+        self.head_dim = d = spec.head_dim
         self.output_gate = output_gate
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
         q_rows = 2 * q_size if output_gate else q_size
+        q_width = 2 * d if output_gate else d  # rows per query head in q_proj
+        kv_shard = (heads.kv_start * d, heads.num_kv * d)
         self.qkv_proj = ColumnParallelLinear(
-            spec.hidden_size, [q_rows, kv_size, kv_size], parallel, spec.attention_bias, dtype
+            spec.hidden_size,
+            [q_rows, kv_size, kv_size],
+            parallel,
+            spec.attention_bias,
+            dtype,
+            shards=[(heads.q_start * q_width, heads.num_q * q_width), kv_shard, kv_shard],
         )
         self.q_norm = self.k_norm = None
         if qk_norm is not None:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, qk_norm)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, qk_norm)
-        self.o_proj = RowParallelLinear(q_size, spec.hidden_size, parallel, dtype)
+        o_shard = (heads.q_start * d, heads.num_q * d)
+        self.o_proj = RowParallelLinear(q_size, spec.hidden_size, parallel, dtype, o_shard)
         self.rotary = rotary
         self.rotary_dim = rotary.cos_sin_cache.shape[-1]
         self.attn = PagedAttention(
@@ -117,6 +124,7 @@ class Attention(nn.Module):
             self.head_dim**-0.5 if scale is None else scale,
             layer_id,
             sliding_window=sliding_window,
+            parallel=parallel,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +211,25 @@ class DecoderLayer(nn.Module):
 
     def fuse(self) -> bool:
         """Use the fused layer op from now on when this layer's shape allows it (its KV cache
-        may then be float32 or bfloat16)."""
+        may then be float32 or bfloat16). Under tensor parallelism a layer never fuses (its
+        projections all-reduce in between), but :meth:`fusable` still says it would at tp=1."""
+        if not self.fusable():
+            return False
+        attn, mlp = getattr(self, self.mixer_name), self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.parallel.tp_size != 1 for lin in linears) or attn.attn.parallel.dcp_size != 1:
+            return False
+        weights = [self.input_layernorm.weight]
+        for lin in linears[:2]:
+            weights += [lin.qweight, lin.qscale, lin.qmin]
+        weights.append(self.post_attention_layernorm.weight)
+        for lin in linears[2:]:
+            weights += [lin.qweight, lin.qscale, lin.qmin]
+        self._fused = ([w.data for w in weights], [lin.bits for lin in linears])
+        return True
+
+    def fusable(self) -> bool:
+        """Whether this layer's shape runs as the fused op at one rank."""
         attn, mlp = getattr(self, self.mixer_name), self.mlp
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if not (
@@ -221,18 +247,7 @@ class DecoderLayer(nn.Module):
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(lin.bits == 0 or lin.bias is not None for lin in linears):
             return False
-        if any(lin.parallel.tp_size != 1 for lin in linears):
-            return False
-        if not kernels.cpu_kernels_enabled():
-            return False
-        weights = [self.input_layernorm.weight]
-        for lin in linears[:2]:
-            weights += [lin.qweight, lin.qscale, lin.qmin]
-        weights.append(self.post_attention_layernorm.weight)
-        for lin in linears[2:]:
-            weights += [lin.qweight, lin.qscale, lin.qmin]
-        self._fused = ([w.data for w in weights], [lin.bits for lin in linears])
-        return True
+        return kernels.cpu_kernels_enabled()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:

@@ -39,9 +39,10 @@ def _weight(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Param
     return nn.Parameter(storage.t(), requires_grad=False)
 
 
-def _shard(full: torch.Tensor, dim: int, parallel: ParallelState) -> torch.Tensor:
-    size = full.shape[dim] // parallel.tp_size
-    return full.narrow(dim, parallel.tp_rank * size, size)
+def even_shard(size: int, parallel: ParallelState) -> tuple[int, int]:
+    """(start, length) of this rank's equal share of ``size`` features."""
+    length = size // parallel.tp_size
+    return parallel.tp_rank * length, length
 
 
 class QuantizableLinear(nn.Module):
@@ -105,7 +106,9 @@ class QuantizableLinear(nn.Module):
 
 class ColumnParallelLinear(QuantizableLinear):
     """y = x W^T (+ b), W split by output rows. ``output_sizes`` names the fused parts
-    (e.g. q, k, v), each split on its own so a rank gets its slice of every part."""
+    (e.g. q, k, v), each split on its own so a rank gets its slice of every part: an equal
+    share, or the (start, length) rows of each part that ``shards`` gives (attention heads
+    that do not divide evenly, see ``ParallelState.head_shard``)."""
 
     def __init__(
         self,
@@ -114,10 +117,12 @@ class ColumnParallelLinear(QuantizableLinear):
         parallel: ParallelState,
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
+        shards: list[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
-        self.output_sizes = [s // parallel.tp_size for s in output_sizes]
+        self.shards = shards or [even_shard(s, parallel) for s in output_sizes]
+        self.output_sizes = [length for _, length in self.shards]
         out = sum(self.output_sizes)
         self.weight = _weight(out, in_features, dtype)
         self.bias = (
@@ -130,33 +135,37 @@ class ColumnParallelLinear(QuantizableLinear):
 
     def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
         offset = self._part_offsets()[part]
+        start, length = self.shards[part]
         if name == "weight":
-            self._load_part(part, offset, _shard(full, 0, self.parallel))
+            self._load_part(part, offset, full.narrow(0, start, length))
             return
-        size = self.output_sizes[part]
-        self.bias.data.narrow(0, offset, size).copy_(_shard(full, 0, self.parallel))
+        self.bias.data.narrow(0, offset, length).copy_(full.narrow(0, start, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x)
 
 
 class RowParallelLinear(QuantizableLinear):
+    """y = all_reduce(x_shard W_shard^T): W split by input columns, an equal share or the
+    (start, length) columns ``shard`` gives."""
+
     def __init__(
         self,
         in_features: int,
         out_features: int,
         parallel: ParallelState,
         dtype: torch.dtype = torch.float32,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
-        shard_in = in_features // parallel.tp_size
-        self.weight = _weight(out_features, shard_in, dtype)
+        self.shard = shard or even_shard(in_features, parallel)
+        self.weight = _weight(out_features, self.shard[1], dtype)
         self.bias = None
         self._init_quant(1)
 
     def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
-        self._load_part(0, 0, _shard(full, 1, self.parallel))
+        self._load_part(0, 0, full.narrow(1, *self.shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.parallel.all_reduce(self._matmul(x))

@@ -1,5 +1,7 @@
-"""Parallel state and collectives (world size 1 today; tensor / context parallel build on it)."""
+"""Parallel state and collectives (``state.py``: below the models, which take a ParallelState),
+and the executors that run the model over worker processes (``executor.py``, ``multiproc.py``,
+``worker.py``: above the runner, imported by the engine core, never from here)."""
 
-from agentx.engine.parallel.state import SINGLE, ParallelState
+from agentx.engine.parallel.state import SINGLE, HeadShard, ParallelState
 
-__all__ = ["SINGLE", "ParallelState"]
+__all__ = ["SINGLE", "HeadShard", "ParallelState"]

@@ -1,4 +1,5 @@
-"""Which rank this process is in its tensor-parallel group.
+"""Which rank this process is in its tensor- and decode-context-parallel groups, and which heads
+it owns.
 
 Passed explicitly into model constructors (never a mutable global), so the same model code
 runs at world size 1 and under tensor parallelism.
@@ -11,16 +12,61 @@ from typing import Any
 
 import torch
 
+from agentx.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """The attention heads one rank computes: query heads ``[q_start, q_start + num_q)`` and
+    KV heads ``[kv_start, kv_start + num_kv)`` of the full model."""
+
+    q_start: int
+    num_q: int
+    kv_start: int
+    num_kv: int
+
 
 @dataclass(frozen=True, slots=True)
 class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Any = None  # a torch.distributed ProcessGroup when tp_size > 1
+    # decode context parallel: this rank holds the KV of positions p with p % dcp_size == dcp_rank
+    dcp_rank: int = 0
+    dcp_size: int = 1
+    dcp_group: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if not 0 <= self.dcp_rank < self.dcp_size:
+            raise ValueError(f"dcp_rank {self.dcp_rank} outside dcp_size {self.dcp_size}")
+
+    def head_shard(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        """This rank's heads. KV heads are split as evenly as they go (the first ranks take one
+        more: SmolLM2's 3 KV heads over 2 ranks are 2 + 1), each with its whole GQA group of
+        query heads, so a query head always finds its KV head on its own rank::
+
+            9 q heads, 3 KV heads, tp=2:   rank 0  q 0-5  kv 0-1   |  rank 1  q 6-8  kv 2
+
+        With fewer KV heads than ranks each KV head is replicated on tp / num_kv_heads ranks,
+        which split its query heads. Raises ConfigError when the heads do not divide.
+        """
+        tp, rank = self.tp_size, self.tp_rank
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+        group = num_heads // num_kv_heads
+        if num_kv_heads >= tp:
+            base, extra = divmod(num_kv_heads, tp)
+            num_kv = base + (rank < extra)
+            kv_start = rank * base + min(rank, extra)
+            return HeadShard(kv_start * group, num_kv * group, kv_start, num_kv)
+        if tp % num_kv_heads or num_heads % tp:
+            raise ConfigError(
+                f"tp={tp} cannot replicate {num_kv_heads} KV heads ({num_heads} query heads)"
+            )
+        num_q = num_heads // tp
+        return HeadShard(rank * num_q, num_q, rank // (tp // num_kv_heads), 1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -34,6 +80,14 @@ class ParallelState:
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
         torch.distributed.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
+
+    def dcp_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(*shape) on every DCP rank -> (dcp_size, *shape), rank order."""
+        if self.dcp_size == 1:
+            return x.unsqueeze(0)
+        parts = [torch.empty_like(x) for _ in range(self.dcp_size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.dcp_group)
+        return torch.stack(parts)
 
 
 SINGLE = ParallelState()

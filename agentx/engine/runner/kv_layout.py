@@ -31,18 +31,23 @@ from agentx.engine.kv_cache import (
     SlidingWindowSpec,
 )
 from agentx.engine.models.spec import ModelSpec
+from agentx.engine.parallel import SINGLE, ParallelState
 from agentx.errors import ConfigError
 
 
 def get_layer_specs(
-    spec: ModelSpec, model: Any, block_size: int, dtype: torch.dtype, tp_size: int = 1
+    spec: ModelSpec,
+    model: Any,
+    block_size: int,
+    dtype: torch.dtype,
+    parallel: ParallelState = SINGLE,
 ) -> list[KVCacheSpec]:
-    """One KV spec per layer, from the model's layer types."""
+    """One KV spec per layer, from the model's layer types (this rank's KV heads)."""
     types = [spec.get_layer_type(i) for i in range(spec.num_layers)]
     unknown = set(types) - {"full_attention", "sliding_attention", "linear_attention"}
     if unknown:
         raise ConfigError(f"unknown layer types {sorted(unknown)} in {spec.architecture}")
-    num_kv_heads = max(1, spec.num_kv_heads // tp_size)
+    num_kv_heads = parallel.head_shard(spec.num_heads, spec.num_kv_heads).num_kv
     linear = None
     if "linear_attention" in types:
         linear = LinearStateSpec(

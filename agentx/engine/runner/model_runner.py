@@ -7,11 +7,13 @@ queues, prefix hashes or requests beyond their ids.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from agentx import kernels
 from agentx.config import EngineConfig
-from agentx.engine.kv_cache import BlockCopy, LinearStateSpec
+from agentx.engine.kv_cache import BlockCopy, FullAttentionSpec, KVCacheLayout, LinearStateSpec
 from agentx.engine.models.blocks import DecoderLayer
 from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.layers import QuantizableLinear
@@ -27,6 +29,7 @@ from agentx.engine.parallel import SINGLE, ParallelState
 from agentx.engine.runner.input_batch import InputBatch
 from agentx.engine.runner.kv_layout import allocate_kv_caches, get_layer_specs, plan_kv_layout
 from agentx.engine.runner.sampler import sample
+from agentx.engine.runner.warmup import warm_up
 from agentx.engine.structured import apply_bitmask
 from agentx.errors import ConfigError
 
@@ -52,11 +55,11 @@ class ModelRunner:
         fused = finalize_weights(model, config.quantization)
         self.model = model.eval()
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, fused)
-        layer_specs = get_layer_specs(
-            spec, self.model, config.cache.block_size, self.kv_dtype, parallel.tp_size
-        )
-        self.layout = plan_kv_layout(layer_specs, config.cache)
-        self.kv_slots, self.kv_caches = allocate_kv_caches(self.layout, self.device)
+        # the memory this rank holds; ``layout`` is the pool the scheduler plans (the same
+        # but for decode context parallel, whose scheduler blocks span every rank's block)
+        self.local_layout = plan_rank_layout(config, spec, self.model, self.kv_dtype, parallel)
+        self.layout = scheduler_layout(self.local_layout, parallel)
+        self.kv_slots, self.kv_caches = allocate_kv_caches(self.local_layout, self.device)
         self.layer_groups = tuple(
             next(g for g, group in enumerate(self.layout.groups) if i in group.layer_ids)
             for i in range(spec.num_layers)
@@ -69,8 +72,17 @@ class ModelRunner:
             tuple(isinstance(g.spec, LinearStateSpec) for g in self.layout.groups),
         )
 
-    def release(self) -> None:
-        """Drop the model and the KV pool (the engine closed: no step runs again)."""
+    def warm_up(self) -> None:
+        """One small forward outside the scheduler (``warmup.py``), before the first step."""
+        warm_up(self)
+
+    def get_request_ids(self) -> set[str]:
+        """Requests the runner keeps a row for."""
+        return set(self.input_batch.row_of)
+
+    def close(self) -> None:
+        """Drop the model and the KV pool: the engine closed and no step runs again (nothing
+        else to stop in-process; the executor protocol: ``parallel/executor.py``)."""
         self.model = None
         self.kv_slots, self.kv_caches = (), []
 
@@ -92,7 +104,7 @@ class ModelRunner:
     @property
     def page_bytes(self) -> int:
         """Bytes of one block id across every slot (all layers of its group): an offload page."""
-        return self.layout.page_size_bytes * self.layout.num_slots
+        return self.local_layout.page_size_bytes * self.local_layout.num_slots
 
     @torch.inference_mode()
     def gather_pages(self, block_ids: list[int]) -> torch.Tensor:
@@ -167,13 +179,49 @@ def _verify(
 def finalize_weights(model: torch.nn.Module, mode: str) -> bool:
     """Fix how every linear layer keeps its weight (quantized or float; ``models/quant.py``),
     then let each decoder layer whose shape allows it run as one fused op; True when any
-    does."""
+    does (or would at one rank: the KV cache dtype follows)."""
     kernels_ready = kernels.prepare()
     for module in model.modules():
         if isinstance(module, QuantizableLinear):
             module.finalize_weights(mode, kernels_ready)
-    fused = [m.fuse() for m in model.modules() if isinstance(m, DecoderLayer)]
-    return any(fused)
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    fused = [m.fuse() for m in layers]
+    # a tensor-parallel rank keeps the KV dtype its layers would read fused at one rank
+    return any(fused) or any(m.fusable() for m in layers)
+
+
+def plan_rank_layout(
+    config: EngineConfig,
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    kv_dtype: torch.dtype,
+    parallel: ParallelState,
+) -> KVCacheLayout:
+    """This rank's KV layout. Every rank holds as many blocks as rank 0, which has the most KV
+    heads (``ParallelState.head_shard``), fits in ``kv_cache_bytes``: one block id means the same
+    tokens on every rank, and the scheduler plans one pool."""
+    block_size, cache = config.cache.block_size, config.cache
+    if parallel.dcp_size > 1:
+        block_size //= parallel.dcp_size  # this rank's share of each scheduler block
+    if parallel.tp_rank:
+        first = ParallelState(0, parallel.tp_size)
+        widest = plan_kv_layout(get_layer_specs(spec, model, block_size, kv_dtype, first), cache)
+        cache = replace(cache, num_blocks=widest.num_blocks)
+    return plan_kv_layout(get_layer_specs(spec, model, block_size, kv_dtype, parallel), cache)
+
+
+def scheduler_layout(local: KVCacheLayout, parallel: ParallelState) -> KVCacheLayout:
+    """The pool the scheduler plans: this rank's, with blocks ``dcp_size`` times longer (one
+    block id names a block on every DCP rank; ``models/attention.py`` has the mapping)."""
+    n = parallel.dcp_size
+    if n == 1:
+        return local
+    if any(not isinstance(g.spec, FullAttentionSpec) for g in local.groups):
+        raise ConfigError("decode context parallel takes full-attention models only (for now)")
+    groups = tuple(
+        replace(g, spec=replace(g.spec, block_size=g.spec.block_size * n)) for g in local.groups
+    )
+    return KVCacheLayout(local.num_blocks, groups, local.page_size_bytes * n)
 
 
 def resolve_kv_dtype(config: EngineConfig, model_dtype: torch.dtype, fused: bool) -> torch.dtype:

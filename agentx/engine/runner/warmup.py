@@ -14,12 +14,15 @@ again and the request forgotten. Scheduler, block pool and prefix cache never se
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentx.engine.outputs import GrammarMasks, ScheduledRequest, SchedulerOutput
-from agentx.engine.runner.model_runner import ModelRunner
 from agentx.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the runner calls this module
+    from agentx.engine.runner.model_runner import ModelRunner
 
 __all__ = ["WARM_UP_REQUEST_ID", "warm_up"]
 

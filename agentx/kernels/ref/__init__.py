@@ -1,6 +1,7 @@
 """The PyTorch reference backend: runs anywhere, and defines what every kernel must compute."""
 
 from agentx.kernels.ref.attention import paged_attention, write_kv
+from agentx.kernels.ref.attention_partial import merge_attention_parts, paged_attention_partial
 from agentx.kernels.ref.linear_attention import (
     causal_conv1d,
     conv_window,
@@ -23,8 +24,10 @@ __all__ = [
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",
+    "merge_attention_parts",
     "moe_experts",
     "paged_attention",
+    "paged_attention_partial",
     "rms_norm",
     "rms_norm_gated",
     "silu_and_mul",

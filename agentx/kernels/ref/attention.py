@@ -19,8 +19,9 @@ def write_kv(
     """Store new keys/values (T, Hkv, D) into their slots."""
     block_size = kv_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache[blocks, 0, offsets] = k  # (num_blocks, 2, bs, Hkv, D) indexed -> (T, Hkv, D)
-    kv_cache[blocks, 1, offsets] = v
+    # (num_blocks, 2, bs, Hkv, D) indexed -> (T, Hkv, D); a bf16 cache takes fp32 k, v
+    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
 
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,195 @@
+"""Tensor parallel over worker processes (gloo on loopback, world size 2).
+
+Greedy tokens at tp=2 equal tp=1 on SmolLM2 with prefix caching, chunked prefill and
+preemption on; a tiny random Llama checks KV heads replicated over ranks; a worker killed
+mid-step fails every waiter with EngineDeadError and leaves no process behind.
+
+Why chosen prompts, not every prompt: at tp=1 SmolLM2's layers run as one fused op (bf16 KV read
+in place), which a tensor-parallel rank cannot (its o_proj and down_proj all-reduce between the
+projections); tp=2 runs the same quantized kernels op by op, and sums the two ranks' partial
+o_proj / down_proj outputs, so float additions happen in another order. On near-ties greedy then
+picks differently: of 8 prompts behind a 72-token prefix, 4 keep all 24 tokens, 4 differ (at
+tokens 0, 2, 8, 8); on "def fibonacci(n):\n" tp=1 forced op by op picks what tp=2 picks. With
+the reference kernels (``AGENTX_KERNELS=ref``: no fused path at tp=1) all 8 match. Bit-exact
+tensor parallelism would need the fused layer's float order across ranks (docs/BENCHMARKS.md,
+"Parallel backends").
+"""
+
+import multiprocessing
+import os
+import signal
+
+import pytest
+import torch
+import transformers
+from model_helpers import save_hf_folder, tiny_hf_config
+
+from agentx import (
+    CacheConfig,
+    ConfigError,
+    Engine,
+    EngineConfig,
+    EngineDeadError,
+    ParallelConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
+from agentx.engine.parallel import HeadShard, ParallelState
+
+NUM_BLOCKS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = ["The capital of France is", "The three primary colors are", "import numpy as np\n"]
+
+
+def _config(tp: int, **kw) -> EngineConfig:
+    # 11 usable blocks: three ~100-token requests sharing 4 prefix blocks fill it, a fourth preempts
+    return EngineConfig(
+        cache=CacheConfig(num_blocks=kw.pop("num_blocks", NUM_BLOCKS), block_size=16),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=32, long_prefill_token_threshold=16, step_cost_model="fixed"
+        ),
+        parallel=ParallelConfig(tp=tp),
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def engines():
+    tp2 = Engine(_config(2))
+    tp1 = Engine(_config(1))
+    yield tp1, tp2
+    tp1.close()
+    tp2.close()
+
+
+def _long_prompts(engine: Engine, texts: list[str] = PROMPTS) -> list[list[int]]:
+    tok = engine.tokenizer
+    shared = tok.encode("You are a careful assistant. " * 12)  # 72 tokens: 4 full blocks
+    return [shared + tok.encode(p) for p in texts]
+
+
+def test_tp2_greedy_equals_tp1(engines):
+    tp1, tp2 = engines
+    prompts = _long_prompts(tp1)
+    want = [g.token_ids for g in tp1.generate(prompts, GREEDY)]
+    got = [g.token_ids for g in tp2.generate(prompts, GREEDY)]
+    assert got == want
+    # again: the shared prefix and each prompt now hit the prefix cache
+    again = tp2.generate(prompts, GREEDY)
+    assert [g.token_ids for g in again] == want
+    assert max(g.usage.cached_tokens for g in again) >= 64  # 4 shared blocks, at least
+    tp2.check_integrity()
+
+
+def test_tp2_under_preemption(engines):
+    tp1, tp2 = engines
+    prompts = _long_prompts(tp1, [*PROMPTS, "Paris is the capital of"])
+    want = [g.token_ids for g in tp1.generate(prompts, GREEDY)]
+    before = tp2.stats().num_preemptions
+    got = [g.token_ids for g in tp2.generate(prompts, GREEDY)]
+    assert got == want
+    assert tp2.stats().num_preemptions > before
+    stats = tp2.stats()
+    assert stats.kv_num_used_blocks == 0
+    tp2.check_integrity()
+
+
+def test_tp2_pool_holds_more_tokens_per_rank(engines):
+    tp1, tp2 = engines
+    # the same block ids on both ranks: rank 0 keeps 2 of SmolLM2's 3 KV heads, rank 1 one
+    assert tp2.core.runner.layout.num_blocks == tp1.core.runner.layout.num_blocks == NUM_BLOCKS
+    assert tp2.core.runner.page_bytes == tp1.core.runner.page_bytes
+
+
+def test_tp2_pages_round_trip_over_ranks(engines):
+    """Offload pages of a tp=2 engine are both ranks' shards of a block, side by side."""
+    tp1, tp2 = engines
+    runner = tp2.core.runner
+    with tp2._step_lock:  # the loop thread's lock: no step touches the blocks meanwhile
+        saved = runner.gather_pages([3, 4])
+        assert saved.shape == (2, runner.page_bytes)
+        pages = torch.randint(0, 256, saved.shape, dtype=torch.uint8)
+        runner.scatter_pages([3, 4], pages)
+        assert torch.equal(runner.gather_pages([3, 4]), pages)
+        runner.scatter_pages([3, 4], saved)
+
+
+def test_tp2_close_leaves_no_process():
+    engine = Engine(_config(2, num_blocks=8))
+    pids = engine.core.runner.pids
+    assert engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2))
+    engine.close()
+    assert all(not _alive(pid) for pid in pids)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, engines):
+    """A random 2-layer Llama with one KV head: tp=2 replicates it on both ranks."""
+    folder = tmp_path_factory.mktemp("tiny-llama-kv1")
+    torch.manual_seed(0)
+    config = tiny_hf_config(transformers.LlamaConfig, initializer_range=0.5)
+    config.num_key_value_heads = 1  # 4 query heads: 2 a rank, both ranks hold the KV head
+    save_hf_folder(folder, transformers.LlamaForCausalLM(config), engines[0].tokenizer)
+    return folder
+
+
+def test_tp2_replicated_kv_head_and_dead_worker(tiny_folder):
+    prompt = list(range(5, 45))
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with Engine(_config(1, model=str(tiny_folder))) as tp1:
+        want = tp1.generate(prompt, sampling)[0].token_ids
+    engine = Engine(_config(2, model=str(tiny_folder), num_blocks=160))
+    try:
+        assert engine.generate(prompt, sampling)[0].token_ids == want
+        pids = engine.core.runner.pids
+        stream = engine.add_request(prompt, SamplingParams(max_tokens=2000, ignore_eos=True))
+        _wait_for_tokens(stream)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            stream.result(timeout=120)
+        with pytest.raises(EngineDeadError):
+            engine.add_request(prompt, sampling)
+    finally:
+        engine.close()
+    assert all(not _alive(pid) for pid in pids)
+    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+
+
+def _wait_for_tokens(stream) -> None:
+    """Until a few tokens arrived: the kill lands mid-generation."""
+    received = 0
+    while received < 3:
+        received += len(stream.get(timeout=120).new_token_ids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive (but it was reaped: gone)
+        return f.read().split()[2] != "Z"
+
+
+def test_parallel_config_validation():
+    assert ParallelConfig(tp=2).world_size == 2
+    for bad in ({"tp": 0}, {"tp": 1.5}, {"backend": "mpi"}, {"pcp": 2}, {"ep": 2}):
+        with pytest.raises(ConfigError):
+            ParallelConfig(**bad)
+    with pytest.raises(ConfigError):
+        EngineConfig(parallel={"tp": 2})
+
+
+def test_head_shards():
+    def shards(num_heads, num_kv_heads, tp):
+        return [ParallelState(r, tp).head_shard(num_heads, num_kv_heads) for r in range(tp)]
+
+    # SmolLM2: 9 query heads in 3 GQA groups; rank 0 takes two groups
+    assert shards(9, 3, 2) == [HeadShard(0, 6, 0, 2), HeadShard(6, 3, 2, 1)]
+    # one KV head, replicated; its 4 query heads split
+    assert shards(4, 1, 2) == [HeadShard(0, 2, 0, 1), HeadShard(2, 2, 0, 1)]
+    assert shards(8, 2, 4)[3] == HeadShard(6, 2, 1, 1)
+    with pytest.raises(ConfigError):
+        shards(9, 3, 4)  # 3 KV heads cannot be replicated over 4 ranks
+    with pytest.raises(ConfigError):
+        Engine(_config(4))  # refused before any worker starts

@@ -1,7 +1,9 @@
 """The Session API on both engine backends (``session_engine``: agentx's engine and the vLLM
 backend): turns, typed events, forks and join, tools, streamed tool results, cancellation,
 constraints, hints and errors. Where the backends differ the test reads it from
-``capabilities()``: agentx holds a turn's KV exactly, vLLM's prefix cache holds whole blocks."""
+``capabilities()``: agentx holds a turn's KV exactly, vLLM's prefix cache holds whole blocks.
+Prompts differ from test_session.py's: the engines are shared, and a prompt another test already
+sent would hit that test's cached blocks (a longer hit than the held turn's)."""
 
 import time
 
@@ -70,10 +72,10 @@ async def test_both_backends_implement_the_interface(session_engine):
 
 async def test_turns_continue_from_the_held_kv(session_engine):
     async with Session(session_engine, sampling=SHORT) as s:
-        r1 = await s.send("Name a color.")
+        r1 = await s.send("Name an animal.")
         assert r1.usage.prompt_tokens == r1.usage.cached_tokens + r1.usage.computed_tokens
         previous = r1.usage.prompt_tokens + r1.usage.output_tokens
-        for follow_up in ("Another one.", "And one more."):
+        for follow_up in ("Another animal.", "And one more animal."):
             r = await s.send(follow_up)
             # everything computed last turn is reused; its last sampled token never ran
             assert r.usage.cached_tokens == hit(session_engine, previous - 1)
@@ -87,7 +89,7 @@ async def test_turns_continue_from_the_held_kv(session_engine):
 
 async def test_stream_yields_typed_events(session_engine):
     async with Session(session_engine, sampling=SHORT) as s:
-        async with s.stream("Say hello.") as turn:
+        async with s.stream("Say good morning.") as turn:
             events = [event async for event in turn]
             message = await turn.get_final_message()
     types = [e.type for e in events]
@@ -98,7 +100,7 @@ async def test_stream_yields_typed_events(session_engine):
 
 async def test_fork_first_turn_reuses_the_parent(session_engine):
     async with Session(session_engine, sampling=SHORT) as parent:
-        r = await parent.send("Tell me about cats.")
+        r = await parent.send("Tell me about otters.")
         parent_computed = r.usage.prompt_tokens + r.usage.output_tokens - 1
         children = await parent.fork(2)
         replies = {}
@@ -107,7 +109,8 @@ async def test_fork_first_turn_reuses_the_parent(session_engine):
             replies[i] = await child.send(question)
 
         async with anyio.create_task_group() as tg:
-            for i, (child, q) in enumerate(zip(children, ["And dogs?", "And birds?"], strict=True)):
+            questions = ["And beavers?", "And seals?"]
+            for i, (child, q) in enumerate(zip(children, questions, strict=True)):
                 tg.start_soon(ask, i, child, q)
         for i, child in enumerate(children):
             usage = replies[i].usage
@@ -134,17 +137,17 @@ async def test_tool_call_run_loop_executes_python_tools(session_engine):
 async def test_streamed_tool_result_leaves_only_template_tokens(session_engine):
     tok = session_engine.tokenizer
     async with Session(session_engine, tools=[add], sampling=SamplingParams(max_tokens=40)) as s:
-        reply = await s.send("What is 2 plus 3?", prefill="<tool_call>[")
+        reply = await s.send("What is 4 plus 5?", prefill="<tool_call>[")
         (call,) = reply.tool_calls
         async with s.tool_result(call.id) as out:
-            for chunk in ["partial result: ", "still working... ", "the sum is 5"]:
+            for chunk in ["adding: ", "carrying... ", "the sum is 9"]:
                 await out.write(chunk)
             num_prefilled = len(s._context.token_ids)
         nxt = await s.send()
         template = tok.encode("<|im_end|>\n<|im_start|>assistant\n")
         assert nxt.usage.prompt_tokens == num_prefilled + len(template)
         assert nxt.usage.cached_tokens == hit(session_engine, num_prefilled)
-        assert s.messages[2].content == "partial result: still working... the sum is 5"
+        assert s.messages[2].content == "adding: carrying... the sum is 9"
 
 
 async def test_cancelled_turn_aborts_and_rolls_back(session_engine):

@@ -69,7 +69,7 @@ class AgentxVLLMEngine(EngineAdapter):
         from agentx import AgentXError, RequestOptions, SamplingParams
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        options = RequestOptions(hold_kv=True, held_kv=self._held.pop(request.session, None))
+        options = RequestOptions(hold_kv=True, held_kv=self._held.pop(request.session_id, None))
         num_output = 0
         try:
             stream = self.engine.add_request(
@@ -81,7 +81,7 @@ class AgentxVLLMEngine(EngineAdapter):
                         num_output += len(out.new_token_ids)
                         yield Tokens(len(out.new_token_ids))
                     if out.finished:
-                        self._held[request.session] = request.request_id
+                        self._held[request.session_id] = request.request_id
                         yield Done(num_output, out.num_cached_tokens)
             finally:
                 if not stream.finished:

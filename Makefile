@@ -62,8 +62,8 @@ test: $(STAMP) $(VLLM_STAMP)
 		echo "no private network namespace here: the Mooncake tests will skip"; \
 		$(BIN)/python -m pytest -q; \
 	fi
-	# the Session tests on the vLLM backend (outside the private namespace: vLLM's gloo group
-	# resolves the host name)
+	# the Session tests on the vLLM backend, in its own venv (they start no Mooncake, so they
+	# need no private namespace; the [agentx] halves of tests/test_session_backends.py ran above)
 	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
 
 lint: $(STAMP)

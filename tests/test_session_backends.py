@@ -5,6 +5,7 @@ constraints, hints and errors. Where the backends differ the test reads it from
 Prompts differ from test_session.py's: the engines are shared, and a prompt another test already
 sent would hit that test's cached blocks (a longer hit than the held turn's)."""
 
+import importlib.util
 import time
 
 import anyio
@@ -12,6 +13,7 @@ import pytest
 from test_session_constraints import PROMPTS, City, add, ship, tag
 
 from agentx import (
+    ConfigError,
     InvalidRequestError,
     PromptTooLongError,
     RequestOptions,
@@ -20,6 +22,8 @@ from agentx import (
     SessionClosedError,
     TurnInProgressError,
     UnknownToolCallError,
+    VLLMConfig,
+    VLLMEngine,
 )
 from agentx.engine.backend import EngineBackend
 
@@ -60,6 +64,21 @@ async def cold_text(engine, prompt, sampling):
         pass
     assert stream.final.num_cached_tokens == 0
     return stream.text
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vllm is installed in this venv"
+)
+def test_vllm_backend_config_and_a_clear_error_without_vllm():
+    with pytest.raises(ConfigError, match="sets .*enable_prefix_caching"):
+        VLLMConfig(engine_args={"enable_prefix_caching": False})
+    with pytest.raises(ConfigError, match="block_size"):
+        VLLMConfig(block_size=0)
+    config = VLLMConfig(engine_args={"tensor_parallel_size": 2})
+    args = config.to_engine_args("/models/m")
+    assert args["tensor_parallel_size"] == 2 and args["scheduling_policy"] == "priority"
+    with pytest.raises(ConfigError, match=r"agentx\[vllm\]"):
+        VLLMEngine(config)
 
 
 async def test_both_backends_implement_the_interface(session_engine):

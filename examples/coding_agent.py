@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import anyio
+from _backend import add_backend_argument, open_engine
 
 from agentx import AssistantMessage, SamplingParams, Session, Tool, ToolCall, Usage
 
@@ -185,11 +186,16 @@ async def main() -> None:
     parser.add_argument("--root", type=Path, default=REPO_ROOT, help="folder the tools may read")
     parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--pattern", default=PATTERN, help="the grep pattern the user suggests")
+    add_backend_argument(parser)
     args = parser.parse_args()
+    with open_engine(args.backend) as engine:
+        await agent(engine, args)
 
+
+async def agent(engine, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     workspace = Workspace(args.root)
-    async with Session(tools=workspace.tools(), system=SYSTEM, sampling=ANSWER_TURN) as s:
+    async with Session(engine, tools=workspace.tools(), system=SYSTEM, sampling=ANSWER_TURN) as s:
         print(f"model loaded in {time.perf_counter() - t0:.1f}s; workspace: {workspace.root}")
         print(f"tools: {', '.join(s.tools)}")
 

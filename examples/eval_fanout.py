@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import anyio
+from _backend import add_backend_argument, open_engine
 
 from agentx import SamplingParams, Session, Usage
 
@@ -114,13 +115,19 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=4, help=f"subagents, 1-{len(CASES)}")
     parser.add_argument("--max-tokens", type=int, default=24, help="per answer")
+    add_backend_argument(parser)
     args = parser.parse_args()
     if not 1 <= args.n <= len(CASES):
         parser.error(f"--n must be between 1 and {len(CASES)}")
+    with open_engine(args.backend) as engine:
+        await evaluate(engine, args)
+
+
+async def evaluate(engine, args: argparse.Namespace) -> None:
     answer_sampling = SamplingParams(max_tokens=args.max_tokens, stop=("\n",))
 
     t0 = time.perf_counter()
-    async with Session(system=SYSTEM, sampling=SamplingParams(max_tokens=16)) as s:
+    async with Session(engine, system=SYSTEM, sampling=SamplingParams(max_tokens=16)) as s:
         print(f"model loaded in {time.perf_counter() - t0:.1f}s\n")
 
         # Turn 1: the shared context. Everything the children need is in the KV after it.

@@ -23,7 +23,10 @@ import time
 
 T_START = time.perf_counter()
 
+import argparse  # noqa: E402
+
 import anyio  # noqa: E402
+from _backend import add_backend_argument, open_engine  # noqa: E402
 
 from agentx import SamplingParams, Session, Usage  # noqa: E402
 
@@ -97,8 +100,17 @@ async def run_tools(session: Session, reply) -> None:
 
 
 async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_backend_argument(parser)
+    args = parser.parse_args()
     t0 = time.perf_counter()
-    async with Session(tools=[add, multiply], sampling=ANSWER_TURN) as s:
+    with open_engine(args.backend) as engine:
+        await session_demo(engine, t0)
+    print(f"done in {time.perf_counter() - t0:.1f}s")
+
+
+async def session_demo(engine, t0: float) -> None:
+    async with Session(engine, tools=[add, multiply], sampling=ANSWER_TURN) as s:
         t_loaded = time.perf_counter()
         # Not needed (a turn sent now waits for what it needs); here so that turn 1's numbers
         # are those of any cold turn: the engine warms up and builds its tables at start.
@@ -163,7 +175,6 @@ async def main() -> None:
             f"engine prefix cache: {stats.prefix_cache_hit_tokens}/"
             f"{stats.prefix_cache_query_tokens} prompt tokens reused"
         )
-    print(f"done in {time.perf_counter() - t0:.1f}s")
 
 
 if __name__ == "__main__":

@@ -85,3 +85,28 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory):
 def model_path() -> Path:
     # `make test` installs the default model; without it these tests must fail, not skip
     return default_model_path()
+
+
+VLLM_MISSING = (
+    "vllm is not installed in this venv: `make test` runs the vLLM backend's tests in a venv of "
+    "their own (.venv-vllm, see the Makefile)"
+)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine():
+    """One vLLM backend on the default model, shared by every test that runs on vLLM. One
+    running sequence at a time, so priorities order the queue and cached counts are exact."""
+    pytest.importorskip("vllm", reason=VLLM_MISSING)
+    from agentx.engine.vllm import VLLMConfig, VLLMEngine
+
+    engine = VLLMEngine(VLLMConfig(max_num_seqs=1, max_model_len=4096))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(params=["agentx", pytest.param("vllm", marks=pytest.mark.vllm)])
+def session_engine(request):
+    """The same Session test on both backends: agentx's engine and the vLLM backend."""
+    name = "default_engine" if request.param == "agentx" else "vllm_engine"
+    return request.getfixturevalue(name)

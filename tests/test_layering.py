@@ -53,6 +53,15 @@ FORBIDDEN = {
         "agentx.engine.core",
         "agentx.engine.client",
     ],
+    # the vLLM backend sits beside agentx's engine: it shares records, never the engine itself
+    "agentx.engine.vllm": [
+        "agentx.engine.client",
+        "agentx.engine.core",
+        "agentx.engine.scheduler",
+        "agentx.engine.runner",
+        "agentx.engine.kv_cache",
+        "agentx.engine.offload",
+    ],
 }
 
 

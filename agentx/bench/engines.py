@@ -4,6 +4,9 @@ becomes an :class:`EngineAdapter`.
     agentx          the agentx worker in a subprocess (``python -m agentx.bench.worker``): how
                     ``compare`` measures agentx, the same way as every peer
     agentx-inproc   the agentx engine in this process (no IPC; the default of ``run``)
+    agentx-vllm     agentx's vLLM backend in a worker (``python -m agentx.bench.worker --backend
+                    vllm``), run with ``.venv-vllm/bin/python`` when it exists (``make test``
+                    builds it), so ``compare`` shows raw vLLM and agentx-on-vLLM on one trace
     fake            the deterministic fake engine (tests, dry runs)
     NAME            a peer worker ``benchmarks/peers/worker_NAME.py``, run with the peer's
                     venv ``$AGENTX_PEERS_DIR/NAME/bin/python`` (this Python if there is none)
@@ -47,7 +50,7 @@ class EngineSettings:
     def model_for(self, name: str) -> str:
         if name in self.peer_models:
             return self.peer_models[name]
-        if self.default_model and name not in ("agentx", "agentx-inproc"):
+        if self.default_model and name not in ("agentx", "agentx-inproc", "agentx-vllm"):
             models = env.peers_dir() / "models"
             converted = models / (PEER_GGUF if name == "llamacpp" else PEER_HF_FOLDER)
             if converted.exists():
@@ -109,6 +112,12 @@ def _worker_argv(name: str, command: str, settings: EngineSettings) -> list[str]
             argv.insert(0, sys.executable)
     elif name == "agentx":
         argv = [sys.executable, "-m", "agentx.bench.worker", "--dtype", settings.dtype,
+                "--kv-cache-gib", str(settings.kv_cache_gib),
+                "--max-num-batched-tokens", str(settings.max_num_batched_tokens)]  # fmt: skip
+    elif name == "agentx-vllm":
+        python = Path(".venv-vllm") / "bin" / "python"
+        argv = [str(python) if python.exists() else sys.executable, "-m", "agentx.bench.worker",
+                "--backend", "vllm", "--dtype", settings.dtype,
                 "--kv-cache-gib", str(settings.kv_cache_gib),
                 "--max-num-batched-tokens", str(settings.max_num_batched_tokens)]  # fmt: skip
     else:

@@ -1,7 +1,9 @@
 """The agentx side of the worker protocol (:mod:`agentx.bench.protocol`)::
 
     python -m agentx.bench.worker --model PATH --threads N [--dtype D] [--quantization Q]
-        [--kv-cache-gib G]
+        [--kv-cache-gib G] [--backend agentx|vllm]
+
+``--backend vllm`` serves the same protocol from agentx's vLLM backend (``agentx-vllm``).
 
 Loads the engine, says ``ready``, then serves ``generate`` lines concurrently (the engine batches
 them) until ``shutdown`` or end of input. Protocol lines are the only thing written to stdout:
@@ -29,6 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GGUF file or HF folder; 'default' or omitted: the embedded SmolLM2-135M-Instruct",
     )
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--backend", default="agentx", choices=("agentx", "vllm"))
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default="auto", choices=("none", "auto", "int8", "int4"))
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
@@ -124,6 +127,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = protocol_stdout()
     model = None if args.model in (None, "", "default") else args.model
+    if args.backend == "vllm":
+        from agentx.bench.agentx_vllm_engine import AgentxVLLMEngine, AgentxVLLMOptions
+
+        vllm_options = AgentxVLLMOptions(
+            model=model if model is None or os.path.isdir(model) else None,
+            threads=args.threads,
+            dtype=args.dtype,
+            kv_cache_gib=max(1, round(args.kv_cache_gib)),
+            max_num_seqs=min(args.max_num_seqs, 16),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        asyncio.run(serve(AgentxVLLMEngine(vllm_options), out))
+        return
     options = AgentxOptions(
         model=model,
         threads=args.threads,

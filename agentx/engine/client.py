@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from agentx.config import EngineConfig
+from agentx.engine.backend import EngineBackend, EngineCapabilities
 from agentx.engine.core import EngineCore
 from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
@@ -45,7 +46,9 @@ Prompt = str | Sequence[int]
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(EngineBackend):
+    """agentx's own engine: the embedded default backend of every Session."""
+
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.core = EngineCore(self.config)
@@ -253,6 +256,18 @@ class Engine:
         self.pin_held_soon(handle, pinned)
 
     # ---- state -------------------------------------------------------------------------------
+
+    def capabilities(self) -> EngineCapabilities:
+        """Everything in the interface is honoured; the offload-driven parts (tool latency,
+        export) need ``config.offload`` and speculative drafting ``config.speculative``."""
+        return EngineCapabilities(
+            name="agentx",
+            block_size=self.core.kv.block_size,
+            tool_latency=self.config.offload.enabled,
+            export_held=self.config.offload.enabled,
+            draft_from_context=self.core._speculate,
+            session_affinity=False,  # one replica per Engine (the router owns data parallel)
+        )
 
     def stats(self) -> EngineStats:
         with self._step_lock:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from agentx.engine.client import Engine
+from agentx.engine.backend import EngineBackend
 from agentx.engine.draft import DraftSource
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
@@ -62,7 +62,7 @@ DEFAULT_TOOL_TIMEOUT_S = 300.0
 class _Owed:
     """The engine and the held-KV handle a session would release on close."""
 
-    engine: Engine | None = None
+    engine: EngineBackend | None = None
     handle: str | None = None
 
 
@@ -72,8 +72,7 @@ def _release_owed(owed: _Owed) -> None:
     engine = owed.engine
     if engine is None or owed.handle is None or engine.closed:
         return
-    release = getattr(engine, "release_held_eventually", engine.release_held_soon)
-    release(owed.handle)
+    engine.release_held_eventually(owed.handle)
     owed.handle = None
 
 
@@ -92,7 +91,7 @@ class _OpenTurn:
 class Session:
     def __init__(
         self,
-        engine: Engine | None = None,
+        engine: EngineBackend | None = None,
         *,
         system: str | None = None,
         tools=None,
@@ -133,11 +132,11 @@ class Session:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     @property
-    def _engine(self) -> Engine | None:
+    def _engine(self) -> EngineBackend | None:
         return self._owed.engine
 
     @_engine.setter
-    def _engine(self, engine: Engine | None) -> None:
+    def _engine(self, engine: EngineBackend | None) -> None:
         self._owed.engine = engine
 
     @property
@@ -149,7 +148,7 @@ class Session:
         self._owed.handle = handle
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineBackend:
         """The engine; without one given, the process-wide default (loaded on first use)."""
         if self._engine is None:
             self._engine = get_default_engine()

@@ -32,6 +32,18 @@ def test_triton_kernels_match_ref_under_interpreter():
     proc = _run(
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "triton_cases.py")],
         TRITON_INTERPRET="1",
+        AGENTX_KERNELS="triton",
     )
     assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
     assert " passed" in proc.stdout.splitlines()[-1]
+
+
+def test_auto_on_cpu_keeps_the_reference_and_never_imports_triton():
+    check = (
+        "import sys; import agentx.kernels as k; from agentx.kernels import ref; "
+        "assert k.BACKEND == 'auto' and not k.triton_enabled(); "
+        "assert k.rms_norm is ref.rms_norm and k.write_kv is ref.write_kv; "
+        "assert 'triton' not in sys.modules, 'triton imported'"
+    )
+    proc = _run(["-c", check])
+    assert proc.returncode == 0, proc.stderr[-4000:]

@@ -262,3 +262,57 @@ def test_chunk_size_must_be_a_power_of_two():
     q, k, v, g, beta, state = delta_inputs(1, 3, 1, 1, 16, 16, torch.float32, seed=8)
     with pytest.raises(ConfigError, match="chunk_size"):
         tk.gated_delta_rule_chunked(q, k, v, g, beta, state, 1.0, 24)
+
+
+def test_dispatch_sends_every_triton_op_to_triton():
+    """The child pytest runs with ``AGENTX_KERNELS=triton``: the dispatch's ops are Triton's,
+    and the compiled CPU kernels stay off."""
+    from agentx import kernels
+
+    assert kernels.BACKEND == "triton" and kernels.triton_enabled()
+    assert not kernels.cpu_kernels_enabled()
+    for name in tk.__all__:
+        if name != "paged_attention":  # a function of the dispatch (it also routes cpu caches)
+            assert getattr(kernels, name) is getattr(tk, name), name
+
+
+def test_llama_through_the_dispatch_matches_the_reference(monkeypatch):
+    """A small GQA Llama, prefill then decodes, batched: Triton's logits are the reference's,
+    and greedy picks the same tokens."""
+    import dataclasses
+
+    from model_helpers import TINY_LLAMA_SPEC, random_tokens
+    from paged_harness import Harness, Seq
+
+    from agentx import kernels
+    from agentx.engine.models.llama import LlamaForCausalLM
+    from agentx.engine.parallel import SINGLE
+
+    spec = dataclasses.replace(
+        TINY_LLAMA_SPEC, vocab_size=384, hidden_size=96, intermediate_size=64, num_layers=2,
+        num_heads=3, num_kv_heads=1, head_dim=32, max_position=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(spec, SINGLE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * 0.2)
+    model = model.eval()
+    prompts = [random_tokens(19, seed=1), random_tokens(4, seed=2)]
+
+    def run() -> list[torch.Tensor]:
+        harness, seqs = Harness(model), [Seq(), Seq()]
+        rows = harness.step([(s, p, ()) for s, p in zip(seqs, prompts, strict=True)])
+        for _ in range(2):  # decodes, one token each, batched
+            last = zip(seqs, rows[-2:], strict=True)
+            rows += harness.step([(s, [int(r[-1].argmax())], ()) for s, r in last])
+        return [r.float() for r in rows]
+
+    got = run()
+    assert not kernels.cpu_kernels_enabled()
+    for name in tk.__all__:
+        monkeypatch.setattr(kernels, name, getattr(ref, name))
+    expected = run()
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))

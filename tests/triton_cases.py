@@ -279,6 +279,8 @@ def test_dispatch_sends_every_triton_op_to_triton():
 def test_llama_through_the_dispatch_matches_the_reference(monkeypatch):
     """A small GQA Llama, prefill then decodes, batched: Triton's logits are the reference's,
     and greedy picks the same tokens."""
+    if DEVICE == "cuda":
+        pytest.skip("the paged harness keeps its caches on CPU; engine_gpu.py runs the engine")
     import dataclasses
 
     from model_helpers import TINY_LLAMA_SPEC, random_tokens

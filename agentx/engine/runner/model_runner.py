@@ -49,7 +49,7 @@ class ModelRunner:
         with torch.device(self.device):
             model = get_model_class(spec.architecture)(spec, parallel, self.dtype)
         model.load_weights(weights)
-        fused = finalize_weights(model, config.quantization)
+        fused = finalize_weights(model, config.quantization, self.device)
         self.model = model.eval()
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, fused)
         layer_specs = get_layer_specs(
@@ -159,14 +159,20 @@ def _verify(
     return ModelRunnerOutput(sampled, extra)
 
 
-def finalize_weights(model: torch.nn.Module, mode: str) -> bool:
+def finalize_weights(
+    model: torch.nn.Module, mode: str, device: torch.device | None = None
+) -> bool:
     """Fix how every linear layer keeps its weight (quantized or float; ``models/quant.py``),
     then let each decoder layer whose shape allows it run as one fused op; True when any
-    does."""
-    kernels_ready = kernels.prepare()
+    does. The compiled kernels are CPU kernels: on another device ``auto`` keeps floats and
+    nothing fuses."""
+    on_cpu = device is None or device.type == "cpu"
+    kernels_ready = on_cpu and kernels.prepare()
     for module in model.modules():
         if isinstance(module, QuantizableLinear):
             module.finalize_weights(mode, kernels_ready)
+    if not on_cpu:
+        return False
     fused = [m.fuse() for m in model.modules() if isinstance(m, DecoderLayer)]
     return any(fused)
 

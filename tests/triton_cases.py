@@ -276,17 +276,11 @@ def test_dispatch_sends_every_triton_op_to_triton():
             assert getattr(kernels, name) is getattr(tk, name), name
 
 
-def test_llama_through_the_dispatch_matches_the_reference(monkeypatch):
-    """A small GQA Llama, prefill then decodes, batched: Triton's logits are the reference's,
-    and greedy picks the same tokens."""
-    if DEVICE == "cuda":
-        pytest.skip("the paged harness keeps its caches on CPU; engine_gpu.py runs the engine")
+def small_llama():
     import dataclasses
 
-    from model_helpers import TINY_LLAMA_SPEC, random_tokens
-    from paged_harness import Harness, Seq
+    from model_helpers import TINY_LLAMA_SPEC
 
-    from agentx import kernels
     from agentx.engine.models.llama import LlamaForCausalLM
     from agentx.engine.parallel import SINGLE
 
@@ -299,7 +293,20 @@ def test_llama_through_the_dispatch_matches_the_reference(monkeypatch):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * 0.2)
-    model = model.eval()
+    return model.eval()
+
+
+def test_llama_through_the_dispatch_matches_the_reference(monkeypatch):
+    """A small GQA Llama, prefill then decodes, batched: Triton's logits are the reference's,
+    and greedy picks the same tokens."""
+    if DEVICE == "cuda":
+        pytest.skip("the paged harness keeps its caches on CPU; engine_gpu.py runs the engine")
+    from model_helpers import random_tokens
+    from paged_harness import Harness, Seq
+
+    from agentx import kernels
+
+    model = small_llama()
     prompts = [random_tokens(19, seed=1), random_tokens(4, seed=2)]
 
     def run() -> list[torch.Tensor]:
@@ -318,3 +325,61 @@ def test_llama_through_the_dispatch_matches_the_reference(monkeypatch):
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_decode_graph_buffers_give_the_eager_logits():
+    """What a decode CUDA graph runs (runner/cuda_graph.py), run eagerly on the interpreter:
+    the persistent buffers, device-side layout and padded rows give the step's own logits."""
+    if DEVICE == "cuda":
+        pytest.skip("the paged harness keeps its caches on CPU; engine_gpu.py captures graphs")
+    from model_helpers import random_tokens
+    from paged_harness import BLOCK_SIZE, Harness, Seq
+
+    from agentx.engine.models.forward_context import AttentionMetadata
+    from agentx.engine.runner.cuda_graph import DecodeGraphs
+    from agentx.engine.runner.input_batch import BatchInputs
+
+    model = small_llama()
+    harness = Harness(model)
+    seqs = [Seq(), Seq(), Seq()]
+    prompts = [random_tokens(15, seed=3), random_tokens(4, seed=4), random_tokens(16, seed=5)]
+    rows = harness.step([(s, p, ()) for s, p in zip(seqs, prompts, strict=True)])
+    tokens = [int(r[-1].argmax()) for r in rows]
+    # the eager step allocates blocks (two cross a block boundary) and writes the new KV; the
+    # graph's buffers then write the same values to the same slots and read the same context
+    step = [(s, [t], ()) for s, t in zip(seqs, tokens, strict=True)]
+    eager = torch.stack([r[0] for r in harness.step(step)])
+    positions = [len(s.tokens) - 1 for s in seqs]
+    slots = [
+        s.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for s, p in zip(seqs, positions, strict=True)
+    ]
+    tables = torch.zeros(3, max(len(s.blocks) for s in seqs), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.blocks)] = torch.tensor(s.blocks)
+    seq_lens = [p + 1 for p in positions]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=[0, 1, 2, 3], seq_lens=seq_lens,
+        block_tables=tables, decode_ids=torch.arange(3), prefill_ids=[],
+    )  # fmt: skip
+    batch = BatchInputs(
+        input_ids=torch.tensor(tokens), positions=torch.tensor(positions), attn=(meta,),
+        linear=(None,), logits_indices=torch.arange(3), sample_rows=[0, 1, 2],
+    )  # fmt: skip
+    graphs = DecodeGraphs(
+        model,
+        harness.kv_caches,
+        (0,) * model.spec.num_layers,
+        1,
+        8,
+        256,
+        (2, 4),
+        torch.device("cpu"),
+    )
+    with torch.inference_mode():
+        size = graphs.stage(batch, seq_lens)
+        assert size == 4  # three requests ride in the 4-row graph: one padding row
+        assert graphs.slot_mapping[0, 3] == -1 and graphs.seq_lens[3] == 1
+        logits = graphs.forward(size)[:3]
+    torch.testing.assert_close(logits, eager.float(), atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits.argmax(-1), eager.argmax(-1))

@@ -50,4 +50,5 @@ class PagedAttention(nn.Module):
             sliding_window=self.sliding_window,
             token_req=meta.token_req,
             token_len=meta.token_len,
+            **meta.kernel_options(),
         )

@@ -261,7 +261,7 @@ def paged_attention_with_lse(
     block_n = block_n or (64 if d_pad <= 128 else 32)
     num_tiles = num_tokens // block_q + num_reqs
     if num_splits is None:
-        num_splits = _choose_splits(q.device, num_tiles * num_kv_heads, max_seq_len, block_n)
+        num_splits = choose_num_splits(q.device, num_tiles * num_kv_heads, max_seq_len, block_n)
     out = torch.empty_like(q)
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
     if num_tokens == 0:
@@ -332,7 +332,9 @@ def _device_layout(
     return _LAST.value
 
 
-def _choose_splits(device: torch.device, num_programs: int, max_seq_len: int, block_n: int) -> int:
+def choose_num_splits(
+    device: torch.device, num_programs: int, max_seq_len: int, block_n: int
+) -> int:
     """Split the keys when the grid alone would leave most SMs idle and contexts are long."""
     if device.type != "cuda" or max_seq_len <= 4 * block_n:
         return 1

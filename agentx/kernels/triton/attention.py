@@ -122,14 +122,13 @@ def _paged_attention_kernel(
         n_ok = n < n_end
         block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         base = kv_ptr + block * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        k = tl.load(base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(
-            base[:, None] + stride_kv + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
-        )
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, D_PAD)
+        v = tl.load(base[:, None] + stride_kv + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
-            s = tl.dot(q, k.to(q.dtype), input_precision="ieee")
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
         else:
-            s = tl.dot(q, k.to(q.dtype))
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
         visible = n_ok[None, :] & (n[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             visible = visible & (n[None, :] > qpos[:, None] - window)

@@ -278,8 +278,19 @@ class EngineConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # On CUDA with the Triton kernels: decode steps of up to the largest of these many requests
+    # replay a CUDA graph captured at start for the next size up (the batch padded); () never
+    # captures. Ignored on CPU.
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
     def __post_init__(self) -> None:
+        sizes = self.cuda_graph_batch_sizes
+        if not isinstance(sizes, tuple) or any(
+            not isinstance(n, int) or isinstance(n, bool) or n <= 0 for n in sizes
+        ):
+            raise ConfigError(f"cuda_graph_batch_sizes must be a tuple of positive ints: {sizes!r}")
+        if list(sizes) != sorted(set(sizes)):
+            raise ConfigError(f"cuda_graph_batch_sizes must be increasing, got {sizes!r}")
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
             raise ConfigError(f"model must be a path or None, got {self.model!r}")
         if self.dtype not in _DTYPES:

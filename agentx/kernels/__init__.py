@@ -1,15 +1,24 @@
 """Device ops behind one dispatch.
 
 ``ref`` (PyTorch, runs on CPU, ground truth), ``cpu`` (compiled C++ for AVX2 / AVX-512 CPUs:
-quantized linear layers, in-place paged attention and a fused decoder layer) and, later,
-``triton`` (GPU) export the same functions with the same signatures.
-``AGENTX_KERNELS=auto|ref|cpu|triton`` picks the backend, read once at import; ``auto`` uses
-``cpu`` for the ops it has when it builds and loads here, else ``ref``.
+quantized linear layers, in-place paged attention and a fused decoder layer) and ``triton``
+(GPU: attention, KV write, norms, RoPE, gated activations, gated delta rule, causal conv)
+export the same functions with the same signatures.
+``AGENTX_KERNELS=auto|ref|cpu|triton`` picks the backend, read once at import. ``auto`` uses
+``cpu`` for the ops it has when it builds and loads here, Triton for CUDA tensors when CUDA and
+``triton`` are present, else ``ref``; ``triton`` sends every op Triton has to it, whatever the
+device (on CPU that runs only under ``TRITON_INTERPRET=1``), and turns the C++ kernels off.
+Without CUDA (and not forced) Triton is never imported and the ops are the reference's own
+functions, so CPU paths pay no dispatch.
 The C++ library is built and loaded on the first call of one of its ops (or by
 :func:`prepare`), not at import, so ``import agentx`` stays cheap.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
@@ -20,15 +29,54 @@ from agentx.kernels import ref as _ref
 from agentx.kernels.ref import quant as _ref_quant
 
 BACKEND = env.kernel_backend()
-if BACKEND == "triton":
-    raise ConfigError(
-        "AGENTX_KERNELS=triton: the Triton backend is not built yet; use auto, cpu or ref"
-    )
+
+
+def _load_triton() -> ModuleType | None:
+    """The Triton backend when it serves some tensors here, else None (never imported)."""
+    if BACKEND == "triton":
+        try:
+            from agentx.kernels import triton as backend
+        except ImportError as e:
+            raise ConfigError(f"AGENTX_KERNELS=triton: triton does not import here ({e})") from e
+        return backend
+    if BACKEND != "auto" or not torch.cuda.is_available():
+        return None
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from agentx.kernels import triton as backend
+
+    return backend
+
+
+_TRITON = _load_triton()
+
+
+def triton_enabled() -> bool:
+    """Whether the Triton kernels serve their ops (CUDA tensors, or all under ``triton``)."""
+    return _TRITON is not None
+
+
+def _pick(name: str) -> Callable:
+    """The op ``name``: the reference's function itself without Triton, Triton's under
+    ``triton``, else a function sending CUDA tensors to Triton and the rest to the reference."""
+    ref_op = getattr(_ref, name)
+    if _TRITON is None:
+        return ref_op
+    triton_op = getattr(_TRITON, name)
+    if BACKEND == "triton":
+        return triton_op
+
+    def op(x: torch.Tensor, *args, **kwargs):
+        return (triton_op if x.is_cuda else ref_op)(x, *args, **kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = ref_op.__doc__
+    return op
 
 
 def cpu_kernels_enabled() -> bool:
     """Whether the compiled CPU kernels serve their ops (builds them on the first call)."""
-    if BACKEND == "ref":
+    if BACKEND in ("ref", "triton"):
         return False
     if _cpu.available():
         return True
@@ -67,9 +115,15 @@ def cpu_attention_fits(kv_cache: torch.Tensor) -> bool:
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """See ``ref/attention.py``; caches the compiled kernel takes go to it."""
+    """See ``ref/attention.py``; CUDA caches go to Triton, those the compiled CPU kernel takes
+    to it."""
+    if _TRITON is not None and (BACKEND == "triton" or kv_cache.is_cuda):
+        return _TRITON.paged_attention(q, kv_cache, *args, **kwargs)
     backend = _cpu if cpu_attention_fits(kv_cache) else _ref
     return backend.paged_attention(q, kv_cache, *args, **kwargs)
+
+
+paged_attention_with_lse = _pick("paged_attention_with_lse")
 
 
 def fused_decoder_layer(*args, **kwargs) -> torch.Tensor:
@@ -80,20 +134,21 @@ def fused_decoder_layer(*args, **kwargs) -> torch.Tensor:
 
 pack_quantized_weight = _ref_quant.pack_weight
 token_layout = _cpu.token_layout
-apply_rotary = _ref.apply_rotary
-causal_conv1d = _ref.causal_conv1d
+apply_rotary = _pick("apply_rotary")
+causal_conv1d = _pick("causal_conv1d")
 conv_window = _ref.conv_window
-gated_delta_rule_chunked = _ref.gated_delta_rule_chunked
-gated_delta_rule_recurrent = _ref.gated_delta_rule_recurrent
-gelu_tanh_and_mul = _ref.gelu_tanh_and_mul
+fused_add_rms_norm = _pick("fused_add_rms_norm")
+gated_delta_rule_chunked = _pick("gated_delta_rule_chunked")
+gated_delta_rule_recurrent = _pick("gated_delta_rule_recurrent")
+gelu_tanh_and_mul = _pick("gelu_tanh_and_mul")
 merge_attention_parts = _ref.merge_attention_parts
 moe_experts = _ref.moe_experts
 paged_attention_partial = _ref.paged_attention_partial
-rms_norm = _ref.rms_norm
-rms_norm_gated = _ref.rms_norm_gated
-silu_and_mul = _ref.silu_and_mul
+rms_norm = _pick("rms_norm")
+rms_norm_gated = _pick("rms_norm_gated")
+silu_and_mul = _pick("silu_and_mul")
 topk_softmax = _ref.topk_softmax
-write_kv = _ref.write_kv
+write_kv = _pick("write_kv")
 
 __all__ = [
     "BACKEND",
@@ -102,6 +157,7 @@ __all__ = [
     "conv_window",
     "cpu_attention_fits",
     "cpu_kernels_enabled",
+    "fused_add_rms_norm",
     "fused_decoder_layer",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
@@ -111,6 +167,7 @@ __all__ = [
     "pack_quantized_weight",
     "paged_attention",
     "paged_attention_partial",
+    "paged_attention_with_lse",
     "prepare",
     "quantized_linear",
     "rms_norm",
@@ -118,5 +175,6 @@ __all__ = [
     "silu_and_mul",
     "token_layout",
     "topk_softmax",
+    "triton_enabled",
     "write_kv",
 ]

@@ -64,6 +64,7 @@ class PagedAttention(nn.Module):
             sliding_window=self.sliding_window,
             token_req=meta.token_req,
             token_len=meta.token_len,
+            **meta.kernel_options(),
         )
 
     def _forward_dcp(self, q, k, v, kv_cache, meta) -> torch.Tensor:

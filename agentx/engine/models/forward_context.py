@@ -34,6 +34,19 @@ class AttentionMetadata:
     # a step for the kernels that read every row in place
     token_req: torch.Tensor | None = None  # (T,) int64
     token_len: torch.Tensor | None = None  # (T,) int64
+    # A CUDA graph's step (runner/cuda_graph.py, Triton only): query_start_loc and seq_lens are
+    # then int32 device tensors, and the kernel's grid is fixed by these instead of the lists.
+    max_query_len: int | None = None
+    num_splits: int | None = None
+
+    def kernel_options(self) -> dict[str, int]:
+        """Extra arguments for the attention kernel ({} for an ordinary step)."""
+        if self.max_query_len is None:
+            return {}
+        options = {"max_query_len": self.max_query_len}
+        if self.num_splits is not None:
+            options["num_splits"] = self.num_splits
+        return options
 
     @property
     def num_reqs(self) -> int:

@@ -7,6 +7,8 @@ queues, prefix hashes or requests beyond their ids.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import replace
 
 import torch
@@ -26,12 +28,15 @@ from agentx.engine.outputs import (
     SchedulerOutput,
 )
 from agentx.engine.parallel import SINGLE, ParallelState
-from agentx.engine.runner.input_batch import InputBatch
+from agentx.engine.runner.cuda_graph import DecodeGraphs
+from agentx.engine.runner.input_batch import BatchInputs, InputBatch
 from agentx.engine.runner.kv_layout import allocate_kv_caches, get_layer_specs, plan_kv_layout
 from agentx.engine.runner.sampler import sample
 from agentx.engine.runner.warmup import warm_up
 from agentx.engine.structured import apply_bitmask
 from agentx.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -52,7 +57,7 @@ class ModelRunner:
         with torch.device(self.device):
             model = get_model_class(spec.architecture)(spec, parallel, self.dtype)
         model.load_weights(weights)
-        fused = finalize_weights(model, config.quantization)
+        fused = finalize_weights(model, config.quantization, self.device)
         self.model = model.eval()
         self.kv_dtype = resolve_kv_dtype(config, self.dtype, fused)
         # the memory this rank holds; ``layout`` is the pool the scheduler plans (the same
@@ -71,6 +76,63 @@ class ModelRunner:
             block_size,
             tuple(isinstance(g.spec, LinearStateSpec) for g in self.layout.groups),
         )
+        self.decode_graphs: DecodeGraphs | None = None
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> bool:
+        """Capture the decode CUDA graphs (after the warm-up compiled every kernel); False
+        where they do not apply: not CUDA, not Triton, no sizes, or linear-state layers."""
+        sizes = tuple(
+            n for n in self.config.cuda_graph_batch_sizes if n <= self.config.scheduler.max_num_seqs
+        )
+        linear = any(isinstance(g.spec, LinearStateSpec) for g in self.layout.groups)
+        if self.device.type != "cuda" or not kernels.triton_enabled() or not sizes or linear:
+            return False
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.layer_groups,
+            len(self.layout.groups),
+            self.input_batch.block_table.shape[-1],
+            self.max_model_len,
+            sizes,
+            self.device,
+        )
+        try:
+            graphs.capture()
+        except RuntimeError:  # a step that cannot be captured still runs, eagerly
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            return False
+        self.decode_graphs = graphs
+        return True
+
+    def _graph_fits(self, out: SchedulerOutput) -> bool:
+        graphs = self.decode_graphs
+        return (
+            graphs is not None
+            and graphs.bucket(len(out.scheduled)) is not None
+            and all(len(it.token_ids) == 1 and it.sample for it in out.scheduled)
+        )
+
+    def _run_model(self, out: SchedulerOutput, batch: BatchInputs) -> torch.Tensor | None:
+        """Logits of the rows that sample (None when none does): a graph replay for a decode
+        step it fits, else the model run eagerly."""
+        if self._graph_fits(out):
+            seq_lens = next(m for m in batch.attn if m is not None).seq_lens
+            return self.decode_graphs.replay(batch, seq_lens)
+        if self.device.type == "cuda" and kernels.triton_enabled():
+            batch = _on_device(batch, self.device)
+        ctx = ForwardContext(
+            attn=batch.attn,
+            layer_groups=self.layer_groups,
+            kv_caches=self.kv_caches,
+            linear=batch.linear,
+        )
+        with forward_context(ctx):
+            hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device))
+        if not batch.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])
 
     def warm_up(self) -> None:
         """One small forward outside the scheduler (``warmup.py``), before the first step."""
@@ -124,17 +186,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
         batch = self.input_batch.prepare(out)
-        ctx = ForwardContext(
-            attn=batch.attn,
-            layer_groups=self.layer_groups,
-            kv_caches=self.kv_caches,
-            linear=batch.linear,
-        )
-        with forward_context(ctx):
-            hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device))
-        if not batch.sample_rows:
+        logits = self._run_model(out, batch)
+        if logits is None:
             return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])
         items = [out.scheduled[i] for i in batch.sample_rows]
         # a request's j-th logits row samples its output token num_output_tokens + j
         offsets = [0] * len(items)
@@ -176,14 +230,49 @@ def _verify(
     return ModelRunnerOutput(sampled, extra)
 
 
-def finalize_weights(model: torch.nn.Module, mode: str) -> bool:
+def _staged(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A host tensor's device copy through pinned memory, not waiting for it."""
+    if t is None:
+        return None
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _on_device(batch: BatchInputs, device: torch.device) -> BatchInputs:
+    """The step's inputs and the attention metadata the Triton kernels read, on the device
+    (the lists and ``decode_ids`` stay: they index host-side)."""
+    attn = tuple(
+        None
+        if m is None
+        else dataclasses.replace(
+            m,
+            slot_mapping=_staged(m.slot_mapping, device),
+            block_tables=_staged(m.block_tables, device),
+            token_req=_staged(m.token_req, device),
+            token_len=_staged(m.token_len, device),
+        )
+        for m in batch.attn
+    )
+    return dataclasses.replace(
+        batch,
+        input_ids=_staged(batch.input_ids, device),
+        positions=_staged(batch.positions, device),
+        attn=attn,
+        logits_indices=_staged(batch.logits_indices, device),
+    )
+
+
+def finalize_weights(model: torch.nn.Module, mode: str, device: torch.device | None = None) -> bool:
     """Fix how every linear layer keeps its weight (quantized or float; ``models/quant.py``),
     then let each decoder layer whose shape allows it run as one fused op; True when any
-    does (or would at one rank: the KV cache dtype follows)."""
-    kernels_ready = kernels.prepare()
+    does (or would at one rank: the KV cache dtype follows). The compiled kernels are CPU
+    kernels: on another device ``auto`` keeps floats and nothing fuses."""
+    on_cpu = device is None or device.type == "cpu"
+    kernels_ready = on_cpu and kernels.prepare()
     for module in model.modules():
         if isinstance(module, QuantizableLinear):
             module.finalize_weights(mode, kernels_ready)
+    if not on_cpu:
+        return False
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     fused = [m.fuse() for m in layers]
     # a tensor-parallel rank keeps the KV dtype its layers would read fused at one rank

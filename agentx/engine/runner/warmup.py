@@ -8,7 +8,8 @@ with temperature, top-k and top-p, and a grammar mask, included).
 
 The warm-up request lives only in the runner: every block table entry is the null block (id 0,
 which the pool never hands out), so its KV lands there, and afterwards the null block is zeroed
-again and the request forgotten. Scheduler, block pool and prefix cache never see it.
+again and the request forgotten. Scheduler, block pool and prefix cache never see it. On CUDA
+with the Triton kernels the decode CUDA graphs are captured last, once every kernel compiled.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def warm_up(runner: ModelRunner, num_prompt_tokens: int = 32) -> None:
     runner.forget(frozenset({WARM_UP_REQUEST_ID}))
     for slot in runner.kv_slots:  # (num_blocks, page_bytes): a page never used reads as zeros
         slot[NULL_BLOCK_ID].zero_()
+    runner.capture_decode_graphs()  # CUDA + Triton only; it writes no KV
 
 
 def _scheduled(

@@ -1,6 +1,6 @@
 """The PyTorch reference backend: runs anywhere, and defines what every kernel must compute."""
 
-from agentx.kernels.ref.attention import paged_attention, write_kv
+from agentx.kernels.ref.attention import paged_attention, paged_attention_with_lse, write_kv
 from agentx.kernels.ref.attention_partial import merge_attention_parts, paged_attention_partial
 from agentx.kernels.ref.linear_attention import (
     causal_conv1d,
@@ -11,6 +11,7 @@ from agentx.kernels.ref.linear_attention import (
 from agentx.kernels.ref.moe import moe_experts, topk_softmax
 from agentx.kernels.ref.ops import (
     apply_rotary,
+    fused_add_rms_norm,
     gelu_tanh_and_mul,
     rms_norm,
     rms_norm_gated,
@@ -21,6 +22,7 @@ __all__ = [
     "apply_rotary",
     "causal_conv1d",
     "conv_window",
+    "fused_add_rms_norm",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",
@@ -28,6 +30,7 @@ __all__ = [
     "moe_experts",
     "paged_attention",
     "paged_attention_partial",
+    "paged_attention_with_lse",
     "rms_norm",
     "rms_norm_gated",
     "silu_and_mul",

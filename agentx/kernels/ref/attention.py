@@ -70,6 +70,45 @@ def paged_attention(
     return out
 
 
+def paged_attention_with_lse(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    decode_ids: torch.Tensor,
+    prefill_ids: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+    token_req: torch.Tensor | None = None,
+    token_len: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention` and each row's natural-log log-sum-exp of its scores (T, H)
+    float32: attention over disjoint key sets merges as sum_i exp(lse_i - lse) out_i.
+
+    A request at a time, scores materialized: the ground truth, not a fast path.
+    """
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    block_size = kv_cache.shape[2]
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        k, v = _gather(kv_cache, block_tables[i, : -(-seq_len // block_size)])  # (L', Hkv, D)
+        k, v = k[:seq_len].float(), v[:seq_len].float()
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (L, H, D)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # (H, Tq, L)
+        qpos = torch.arange(seq_len - (end - start), seq_len).unsqueeze(1)
+        kpos = torch.arange(seq_len).unsqueeze(0)
+        visible = kpos <= qpos
+        if sliding_window is not None:
+            visible &= kpos > qpos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse[start:end] = torch.logsumexp(scores, dim=-1).transpose(0, 1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out, lse
+
+
 def _decode_rows(query_start_loc: list[int], decode_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.tensor(query_start_loc[:-1], dtype=torch.long)
     return starts[decode_ids]

@@ -41,3 +41,11 @@ def rms_norm_gated(
     var = x.float().pow(2).mean(-1, keepdim=True)
     normed = (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
     return (normed.float() * F.silu(gate.float())).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm residual step: (rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual

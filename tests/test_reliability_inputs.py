@@ -70,7 +70,11 @@ def coding_agent():
     spec = importlib.util.spec_from_file_location("coding_agent", ROOT / "examples/coding_agent.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["coding_agent"] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "examples"))  # it imports examples/_backend.py
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
     yield module
     del sys.modules["coding_agent"]
 

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from agentx.engine.hints import BranchPoint, Hint, Pin, Priority, Release, ToolLatency, TurnsLeft
 
@@ -182,3 +182,15 @@ class EngineBackend(abc.ABC):
     @abc.abstractmethod
     def closed(self) -> bool:
         """Whether ``close()`` was called."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()

@@ -411,18 +411,6 @@ class Engine(EngineBackend):
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Engine:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
-
 
 def _return_freed_heap() -> None:
     """Give the heap pages the closed engine's threads freed back to the OS (glibc keeps them

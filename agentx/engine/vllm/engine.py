@@ -405,15 +405,3 @@ class VLLMEngine(EngineBackend):
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> VLLMEngine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    async def __aenter__(self) -> VLLMEngine:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()

@@ -221,3 +221,28 @@ def test_gguf_quantized_tensors_are_exact():
         assert got.bits == (4 if kind == GGMLQuantizationType.Q4_1 else 8)
         assert torch.equal(got.dequantize(), torch.from_numpy(want))
     assert len(seen) == 2
+
+
+def test_build_ignores_the_lock_file_a_killed_build_left(tmp_path, monkeypatch):
+    """torch's builder waits forever on its `lock` file; a build killed mid-way (Ctrl-C on the
+    first import) leaves one. Holding agentx's own lock, the builder removes it and builds."""
+    from torch.utils import cpp_extension
+
+    from agentx.kernels.cpu import build
+
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    (folder / "lock").write_text("")  # what the killed build left
+    calls = []
+
+    def fake_load(**kwargs):
+        assert not (folder / "lock").exists()
+        calls.append(kwargs["build_directory"])
+        return str(folder / "agentx_cpu_kernels.so")
+
+    monkeypatch.setattr(build, "_build_dir", lambda: folder)
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: calls.append(path))
+    assert build._build_and_load(verbose=False)
+    # built once; then loaded, since the fake builder loaded nothing
+    assert calls == [str(folder), str(folder / "agentx_cpu_kernels.so")]

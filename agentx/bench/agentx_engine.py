@@ -32,11 +32,18 @@ class AgentxOptions:
     max_num_batched_tokens: int = 2048
     decode_step_target_ms: float | None = None  # None: SchedulerConfig's default
     offload: object | None = None  # an agentx.OffloadConfig (tiers below the device)
+    speculative: bool | None = None  # drafting from context; None: SpeculativeConfig's default
 
     def engine_config(self):
-        from agentx import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
+        from agentx import (
+            CacheConfig,
+            EngineConfig,
+            OffloadConfig,
+            SchedulerConfig,
+        )
 
         return EngineConfig(
+            speculative=self._speculative(),
             offload=self.offload or OffloadConfig(),
             model=self.model,
             dtype=self.dtype,
@@ -64,7 +71,15 @@ class AgentxOptions:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "offload": str(self.offload) if self.offload else None,
+            "speculative": self._speculative().enabled,
         }
+
+    def _speculative(self):
+        from agentx import SpeculativeConfig
+
+        if self.speculative is None:
+            return SpeculativeConfig()
+        return SpeculativeConfig(enabled=self.speculative)
 
 
 class AgentxEngine(EngineAdapter):

@@ -43,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the scheduler's step-time target while requests decode (default: the config's)",
     )
+    p.add_argument(
+        "--speculative",
+        choices=("on", "off"),
+        default=None,
+        help="drafting from context (default: SpeculativeConfig's)",
+    )
     return p.parse_args(argv)
 
 
@@ -149,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_step_target_ms=args.decode_step_target_ms,
+        speculative=None if args.speculative is None else args.speculative == "on",
     )
     asyncio.run(serve(AgentxEngine(options), out))
 

@@ -12,10 +12,13 @@ returns False and callers use the reference kernels.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -82,20 +85,39 @@ def _build_and_load(verbose: bool) -> bool:
         from torch.utils import cpp_extension  # noqa: PLC0415 (slow import, build only)
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        _log.warning("agentx: compiling CPU kernels once into %s (about a minute)", build_dir)
-        cpp_extension.load(
-            name="agentx_cpu_kernels",
-            sources=[str(_CSRC / name) for name in _SOURCES],
-            extra_cflags=list(_FLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        with _exclusive(build_dir / "agentx.lock"):
+            if not library.exists():  # another process may have built it while we waited
+                # torch's own lock file, left behind by a build that was killed (Ctrl-C on the
+                # first import): torch would wait on it forever. Holding our lock, no live
+                # agentx build owns it.
+                (build_dir / "lock").unlink(missing_ok=True)
+                _log.warning("agentx: compiling CPU kernels once into %s (~1 minute)", build_dir)
+                cpp_extension.load(
+                    name="agentx_cpu_kernels",
+                    sources=[str(_CSRC / name) for name in _SOURCES],
+                    extra_cflags=list(_FLAGS),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=verbose,
+                )
+        if str(library) not in torch.ops.loaded_libraries:
+            torch.ops.load_library(str(library))
         return True
     except Exception as exc:  # a missing compiler, a failed build: fall back, loudly
         _log.warning("agentx: CPU kernels unavailable (%s); using reference kernels", exc)
         return False
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An advisory lock between processes building into one folder (released if one dies)."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def main() -> None:

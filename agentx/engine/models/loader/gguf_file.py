@@ -181,7 +181,11 @@ def _field(cur: _Cursor) -> GGUFField:
 
 
 def _tensor(
-    array: np.ndarray, start: int, name: str, dims: list[int], kind: GGMLQuantizationType,
+    array: np.ndarray,
+    start: int,
+    name: str,
+    dims: list[int],
+    kind: GGMLQuantizationType,
     offset: int,
 ) -> GGUFTensor:
     block_size, type_size = GGML_QUANT_SIZES[kind]

@@ -67,3 +67,17 @@ def test_worker_that_dies_fails_requests():
         await engine.close()
 
     asyncio.run(go())
+
+
+def test_speculative_flag_reaches_the_engine_config():
+    from agentx import SpeculativeConfig
+    from agentx.bench.agentx_engine import AgentxOptions
+    from agentx.bench.worker import parse_args
+
+    assert parse_args([]).speculative is None
+    assert AgentxOptions().engine_config().speculative == SpeculativeConfig()
+    for flag, enabled in (("on", True), ("off", False)):
+        assert parse_args(["--speculative", flag]).speculative == flag
+        options = AgentxOptions(speculative=enabled)
+        assert options.engine_config().speculative.enabled is enabled
+        assert options.describe()["speculative"] is enabled

@@ -35,12 +35,7 @@ class AgentxOptions:
     speculative: bool | None = None  # drafting from context; None: SpeculativeConfig's default
 
     def engine_config(self):
-        from agentx import (
-            CacheConfig,
-            EngineConfig,
-            OffloadConfig,
-            SchedulerConfig,
-        )
+        from agentx import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
 
         return EngineConfig(
             speculative=self._speculative(),

@@ -3,7 +3,10 @@ rollback of rejected drafts with exact block ids and ref counts (fake runner, no
 greedy / seeded output identical with drafting on and off on the real model, in both weight
 modes, under batching, chunking, preemption, forks and stop strings."""
 
+import json
+
 import pytest
+import torch
 from kv_helpers import make_manager, make_request
 
 from agentx import (
@@ -17,6 +20,7 @@ from agentx.engine.core import EngineCore
 from agentx.engine.draft import Drafter, DraftSource, TokenIndex
 from agentx.engine.outputs import ModelRunnerOutput
 from agentx.engine.scheduler import Scheduler
+from agentx.engine.structured import StructuredOutput, apply_bitmask, compact_json
 
 # ---- the index and the drafter --------------------------------------------------------------
 
@@ -320,3 +324,114 @@ def test_stop_string_inside_accepted_drafts(make_engine, copy_prompts):
     off, on = outs
     assert (on.token_ids, on.text, on.finish_reason) == (off.token_ids, off.text, "stop")
     assert on.usage.output_tokens == off.usage.output_tokens
+
+
+# ---- grammar-constrained requests draft what their grammar accepts ---------------------------
+
+CALL = (
+    '<tool_call>[{"name": "write_file", "arguments": {"path": "src/agentx/engine/draft.py", '
+    '"content": "def area(r):\\n    return 3.14 * r * r\\n"}}]</tool_call>'
+)
+WRITE_FILE = {
+    "type": "object",
+    "properties": {
+        "name": {"const": "write_file"},
+        "arguments": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+CALL_GRAMMAR = (
+    f'start: "<tool_call>[" call "]</tool_call>"\ncall: %json {json.dumps(compact_json(WRITE_FILE))}'
+)
+
+
+@pytest.fixture(scope="module")
+def call_prompt(default_engine):
+    """A chat turn that asks for a tool call the context already holds word for word."""
+    tok = default_engine.tokenizer
+    messages = [
+        {"role": "user", "content": f"Here is a tool call:\n{CALL}\nWrite it again, exactly."}
+    ]
+    return tok.encode(tok.apply_chat_template(messages))
+
+
+def test_grammar_drafts_only_what_it_accepts_and_masks_every_drafted_row(default_engine):
+    backend = default_engine.core._grammar_backend()
+    grammar = backend.new_matcher(StructuredOutput(regex=r"(ab)+c"))
+    tok = default_engine.tokenizer
+    a, b, c = (tok.encode(s, add_special_tokens=False)[0] for s in "abc")
+    assert grammar.draftable([a, b, a, b, c, a]) == [a, b, a, b, c]  # nothing after "c"
+    assert grammar.draftable([b, a]) == []
+    bitmask = backend.allocate_bitmask(3)
+    grammar.fill_draft_bitmasks(bitmask, 0, [a, b])
+    allowed = []
+    for row in range(3):
+        logits = torch.zeros(1, default_engine.core.spec.vocab_size)
+        apply_bitmask(logits, bitmask[row : row + 1])
+        allowed.append(set(torch.nonzero(logits[0] == 0).flatten().tolist()))
+    assert a in allowed[0] and b not in allowed[0] and c not in allowed[0]  # before "a"
+    assert b in allowed[1] and a not in allowed[1]  # after "a": "b" only
+    assert {a, c} <= allowed[2] and b not in allowed[2]  # after "ab": "a" again or "c"
+    assert grammar.draftable([a, b]) == [a, b]  # the state was put back
+    assert grammar.commit(a) == a and grammar.draftable([a]) == []
+
+
+def test_a_drafted_position_the_budget_forces_is_sampled_again(default_engine):
+    """The verify rows after drafts carry the grammar's own mask; where the budget would have
+    forced its plan instead (no slack left), the step keeps nothing from that row on."""
+    backend = default_engine.core._grammar_backend()
+    tok = default_engine.tokenizer
+    a, c = (tok.encode(x, add_special_tokens=False)[0] for x in "ac")
+    s = make_scheduler()
+    # "a"s, then "c": the shortest output is "c", and 2 tokens leave slack for one "a"
+    grammar = backend.new_matcher(StructuredOutput(regex="a{0,10}c"), max_tokens=2)
+    req = make_request("g", [a] * 6, max_tokens=2, grammar=grammar)  # its context: "a"s
+    req.drafter = Drafter(max_k=4)
+    s.add_request(req)
+    out = s.schedule()
+    [item] = out.scheduled
+    assert item.draft_token_ids == [a]  # max_tokens 2: one draft at most
+    # the draft matched and the row after it sampled "a" under the grammar's own mask; but
+    # there the budget has no slack (1 token left, the plan "c"): that row is not kept
+    deltas = s.update_from_output(out, ModelRunnerOutput({"g": a}, {"g": [a]}))
+    s.check_integrity()
+    assert deltas[0].new_token_ids == [a] and not deltas[0].finished
+    assert grammar.is_forced and grammar.budget.plan == (c,)
+    assert req.num_computed_tokens == req.num_tokens - 1
+    assert (deltas[0].num_draft_tokens, deltas[0].num_accepted_tokens) == (1, 0)
+    assert s.schedule().scheduled[0].num_draft_tokens == 0  # nothing drafts into forced ones
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [120, 0])  # 0: the grammar's shortest output + 4
+def test_constrained_greedy_identical_with_drafts(make_engine, call_prompt, max_tokens):
+    spec = StructuredOutput(grammar=CALL_GRAMMAR)
+    outs = []
+    for speculative in (OFF, SPEC):
+        engine = make_engine(speculative=speculative)
+        budget = max_tokens or engine.core._grammar_backend().min_tokens(spec) + 4
+        sampling = SamplingParams(max_tokens=budget, structured=spec)
+        seeded = SamplingParams(max_tokens=budget, structured=spec, temperature=0.7, seed=5)
+        streams = [engine.add_request(call_prompt, s) for s in (sampling, seeded)]
+        outs.append([s.result() for s in streams])
+        engine.check_integrity()
+        assert engine.stats().kv_num_used_blocks == 0
+    off, on = outs
+    for a, b in zip(off, on, strict=True):
+        assert (b.token_ids, b.finish_reason, b.stop_reason) == (
+            a.token_ids,
+            a.finish_reason,
+            a.stop_reason,
+        )
+        assert a.usage.draft_tokens == 0
+    if max_tokens:  # room to copy: the call is drafted from the prompt and accepted
+        assert on[0].text == CALL
+        assert on[0].usage.accepted_draft_tokens > len(on[0].token_ids) // 2
+    else:  # the budget forces its plan at the end: nothing is drafted into forced positions
+        assert on[0].stop_reason == "grammar_budget"

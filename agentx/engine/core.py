@@ -141,21 +141,19 @@ class EngineCore:
             held_kv=options.held_kv,
             hints=options.hints,
             grammar=grammar,
-            **self._drafting(options, grammar is not None),
+            **self._drafting(options),
         )
 
-    def _drafting(self, options: RequestOptions, constrained: bool) -> dict:
-        """A request's drafter and the sources its output goes to. Constrained requests do
-        not draft (a draft would need the grammar's mask at every drafted position), but
-        their outputs, often quoted later, feed the sources."""
+    def _drafting(self, options: RequestOptions) -> dict:
+        """A request's drafter and the sources its output goes to. A constrained request
+        drafts only what its grammar accepts (the scheduler asks it), and each drafted
+        position is sampled under the grammar's mask there."""
         if not self._speculate:
             return {}
         sources = tuple(
             s for s in (options.draft_source, self.draft_source) if s is not None and s.max_entries
         )
-        drafter = None
-        if not constrained:
-            drafter = Drafter(self.config.speculative.num_speculative_tokens, sources)
+        drafter = Drafter(self.config.speculative.num_speculative_tokens, sources)
         return {"drafter": drafter, "draft_sinks": sources}
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -202,11 +200,11 @@ class EngineCore:
             return self._grammar
 
     def _grammar_masks(self, sched_out: SchedulerOutput) -> GrammarMasks | None:
-        """Start the token bitmasks of constrained requests that sample this step; they are
-        computed on a worker thread while the model runs."""
+        """Start the token bitmasks of constrained requests that sample this step (one row,
+        and one more per draft); they are computed on a worker thread while the model runs."""
         requests = self.scheduler.requests
         constrained = [
-            requests[item.request_id]
+            (requests[item.request_id], item.draft_token_ids)
             for item in sched_out.scheduled
             if item.sample and requests[item.request_id].grammar is not None
         ]
@@ -217,12 +215,15 @@ class EngineCore:
             self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="agentx-grammar")
 
         def fill() -> torch.Tensor:
-            bitmask = backend.allocate_bitmask(len(constrained))
-            for row, request in enumerate(constrained):
-                request.grammar.fill_bitmask(bitmask, row)
+            bitmask = backend.allocate_bitmask(sum(1 + len(d) for _, d in constrained))
+            row = 0
+            for request, drafts in constrained:
+                request.grammar.fill_draft_bitmasks(bitmask, row, drafts)
+                row += 1 + len(drafts)
             return bitmask
 
-        return GrammarMasks([r.request_id for r in constrained], self._mask_worker.submit(fill))
+        request_ids = [r.request_id for r, drafts in constrained for _ in range(1 + len(drafts))]
+        return GrammarMasks(request_ids, self._mask_worker.submit(fill))
 
     # ---- held KV (kv_cache/held.py) -------------------------------------------------------
 

@@ -44,6 +44,10 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     num_kept_blocks: int | None = None
 
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
@@ -58,8 +62,9 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class GrammarMasks:
-    """Token bitmasks for the constrained requests sampling this step, one row each in
-    ``request_ids`` order; ``future`` resolves to an int32 (N, ceil(V / 32)) tensor."""
+    """Token bitmasks for the constrained requests sampling this step: a request's rows are
+    its first logits row and one per draft, in order, each named in ``request_ids``; ``future``
+    resolves to an int32 (N, ceil(V / 32)) tensor."""
 
     request_ids: list[str]
     future: Future

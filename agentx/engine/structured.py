@@ -141,6 +141,34 @@ class GrammarMatcher:
         """Consume ``token_id`` as it is (no budget); False once the matcher is in error."""
         return self._matcher.consume_token(token_id)
 
+    # ---- drafts (engine/draft.py): verified under the masks the grammar gives each position --
+
+    @property
+    def is_forced(self) -> bool:
+        """The budget has no slack: the next mask is its plan's token alone."""
+        return self.budget is not None and self.budget.forced_token is not None
+
+    def draftable(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar accepts from here, [] while the
+        budget has no slack (the state does not move)."""
+        if not drafts or self.is_forced or self.is_error:
+            return []
+        return drafts[: self._matcher.validate_tokens(drafts)]
+
+    def fill_draft_bitmasks(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Row ``row`` as :meth:`fill_bitmask` writes it, then row ``row + j`` the grammar's
+        own mask after ``drafts[:j]``; the state is put back. The budget's say over a drafted
+        position (``is_forced`` there) is checked when its token is committed."""
+        self.fill_bitmask(bitmask, row)
+        consumed = 0
+        for j, token_id in enumerate(drafts, 1):
+            if not self._matcher.consume_token(token_id):
+                break  # cannot happen for draftable() drafts; the row stays all-zero
+            consumed += 1
+            words = bitmask[row + j]
+            self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.itemsize)
+        self._matcher.rollback(consumed)
+
     def commit(self, token_id: int) -> int:
         """Consume a sampled token, or the token the budget puts in its place (see
         ``GrammarBudget.commit``); returns the token consumed."""

@@ -195,9 +195,14 @@ class ModelRunner:
         for row in range(1, len(items)):
             if batch.sample_rows[row] == batch.sample_rows[row - 1]:
                 offsets[row] = offsets[row - 1] + 1
-        if masks is not None:  # constrained requests never draft: one row each
-            row_of = {it.request_id: row for row, it in enumerate(items) if not offsets[row]}
-            rows = torch.tensor([row_of[rid] for rid in masks.request_ids], device=self.device)
+        if masks is not None:  # a request's rows are consecutive: its first, then its drafts'
+            first = {it.request_id: row for row, it in enumerate(items) if not offsets[row]}
+            seen: dict[str, int] = {}
+            picked = []
+            for rid in masks.request_ids:
+                picked.append(first[rid] + seen.get(rid, 0))
+                seen[rid] = seen.get(rid, 0) + 1
+            rows = torch.tensor(picked, device=self.device)
             constrained = logits[rows].cpu()
             apply_bitmask(constrained, masks.future.result())
             logits[rows] = constrained.to(logits.device)
@@ -224,8 +229,7 @@ def _verify(
             continue
         kept = extra.get(rid, [])
         previous = kept[-1] if kept else sampled[rid]
-        drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens :]
-        if len(kept) == j - 1 and drafts[j - 1] == previous:
+        if len(kept) == j - 1 and item.draft_token_ids[j - 1] == previous:
             extra.setdefault(rid, []).append(token_id)
     return ModelRunnerOutput(sampled, extra)
 

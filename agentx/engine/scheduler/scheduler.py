@@ -301,7 +301,8 @@ class Scheduler:
     def _propose(self, request: Request, num_new: int, budget: _StepBudget) -> list[int]:
         """Drafts to follow the request's tokens, when these ``num_new`` reach its end: within
         the budget left, and never past ``max_tokens`` or the model context (all drafts
-        accepted add one token more than their count)."""
+        accepted add one token more than their count); a constrained request's only as far as
+        its grammar accepts them."""
         drafter = request.drafter
         if drafter is None or request.num_computed_tokens + num_new != request.num_tokens:
             return []
@@ -310,7 +311,10 @@ class Scheduler:
             request.sampling.max_tokens - request.num_output_tokens - 1,
             self.max_model_len - request.num_tokens - 1,
         )
-        return drafter.propose(request.all_token_ids, max_num)
+        drafts = drafter.propose(request.all_token_ids, max_num)
+        if request.grammar is not None:
+            drafts = request.grammar.draftable(drafts)
+        return drafts
 
     def _clip(self, num_new: int, budget: _StepBudget) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -418,16 +422,18 @@ class Scheduler:
             if token_id is None or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a chunk that did not reach the end, or a request aborted meanwhile
             token_ids = [token_id, *runner_output.extra_token_ids.get(item.request_id, ())]
-            if item.num_draft_tokens:
-                self._take_back_drafts(request, item.num_draft_tokens, len(token_ids) - 1)
             appended = []
             for token_id in token_ids:
+                if appended and request.grammar is not None and request.grammar.is_forced:
+                    break  # its mask was the grammar's, not the budget's: sample it again
                 appended.append(request.append_output_token(token_id))  # a grammar may swap it
                 self.num_generated_tokens += 1
-                if request.check_stop(self.max_model_len):
-                    break
+                if request.check_stop(self.max_model_len) or appended[-1] != token_id:
+                    break  # after a swapped token, the drafts' KV is not this output's
             if item.num_draft_tokens:
-                # stopped inside the accepted drafts: what follows the stop was never output
+                self._take_back_drafts(request, item.num_draft_tokens, len(appended) - 1)
+                # the last token is computed next step (and after a stop inside the accepted
+                # drafts, what followed it was never output)
                 request.num_computed_tokens = request.num_tokens - 1
             if request.is_finished:
                 self.running.remove(request)

@@ -346,8 +346,8 @@ WRITE_FILE = {
     "required": ["name", "arguments"],
     "additionalProperties": False,
 }
-CALL_GRAMMAR = (
-    f'start: "<tool_call>[" call "]</tool_call>"\ncall: %json {json.dumps(compact_json(WRITE_FILE))}'
+CALL_GRAMMAR = 'start: "<tool_call>[" call "]</tool_call>"\ncall: %json ' + json.dumps(
+    compact_json(WRITE_FILE)
 )
 
 

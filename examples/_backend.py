@@ -1,6 +1,7 @@
 """``--backend`` for the examples: agentx's own engine (the default) or the vLLM backend.
 
     python examples/quickstart.py --backend vllm     # needs vllm (`pip install 'agentx[vllm]'`)
+    python examples/coding_agent.py --speculative off  # agentx without drafting from context
 
 The Session code is the same on both; only the engine handed to ``Session(engine=...)`` differs.
 """
@@ -21,14 +22,28 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
         default="agentx",
         help="the engine under the Session: agentx's own (default) or vLLM, in this process",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=("on", "off"),
+        help="agentx's drafting from context (default: SpeculativeConfig's)",
+    )
 
 
 @contextlib.contextmanager
-def open_engine(backend: str) -> Iterator[object | None]:
+def open_engine(backend: str, speculative: str | None = None) -> Iterator[object | None]:
     """The engine for ``backend``; None means the process-wide default agentx engine."""
-    if backend == "agentx":
+    if backend == "agentx" and speculative is None:
         yield None
         return
+    if backend == "agentx":
+        from agentx import Engine, EngineConfig, SpeculativeConfig
+
+        config = EngineConfig(speculative=SpeculativeConfig(enabled=speculative == "on"))
+        with Engine(config) as engine:
+            yield engine
+        return
+    if speculative is not None:
+        raise SystemExit("--speculative is agentx's engine's switch (not the vLLM backend's)")
     from agentx.engine.vllm import VLLMEngine
 
     engine = VLLMEngine()

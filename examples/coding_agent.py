@@ -20,10 +20,16 @@ back to the model as an error result. Every turn extends the one before, so afte
 turn only the new tokens (tool results, the next question) are computed: see the cache
 statistics printed per turn.
 
+``--repeat`` adds a turn that asks the model to write out the file it read: agents re-emit what
+they read (edits, quotes), and the engine drafts such output from the context it holds
+(``SpeculativeConfig``); the turn's line shows the decode rate and the drafts accepted
+(``--speculative off`` to compare).
+
 Run on this repository (about 20 s on a 2-core CPU)::
 
     python examples/coding_agent.py
     python examples/coding_agent.py --root ~/src/other --question '...' --pattern '...'
+    python examples/coding_agent.py --repeat --speculative off
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ PATTERN = "^class Scheduler:$"
 # A constrained call ends with its block: the grammar allows nothing after </tool_call>.
 CALL_TURN = SamplingParams(max_tokens=64)
 ANSWER_TURN = SamplingParams(max_tokens=64)
+REPEAT_TURN = SamplingParams(max_tokens=256)
 
 
 class Workspace:
@@ -136,10 +143,15 @@ class Workspace:
 def cache_line(usage: Usage | None) -> str:
     if usage is None:
         return "(no usage)"
-    return (
+    line = (
         f"prompt {usage.prompt_tokens:4d} | cached {usage.cached_tokens:4d} | "
         f"computed {usage.computed_tokens:4d} | output {usage.output_tokens:3d}"
     )
+    if usage.output_tokens_per_s:
+        line += f" | {usage.output_tokens_per_s:5.1f} tok/s"
+    if usage.draft_tokens:
+        line += f" | drafts accepted {usage.accepted_draft_tokens}/{usage.draft_tokens}"
+    return line
 
 
 async def execute(session: Session, call: ToolCall) -> str:
@@ -164,9 +176,9 @@ async def execute(session: Session, call: ToolCall) -> str:
 
 
 async def turn(
-    session: Session, label: str, message=None, tool_choice=None, prefill=None
+    session: Session, label: str, message=None, tool_choice=None, prefill=None, sampling=None
 ) -> AssistantMessage:
-    sampling = CALL_TURN if tool_choice else ANSWER_TURN
+    sampling = sampling or (CALL_TURN if tool_choice else ANSWER_TURN)
     print(f"\n[{label}] " + (f"user: {message}" if message else "(sends the tool results)"))
     if tool_choice:
         print(f"[{label}] tool_choice={tool_choice!r}")
@@ -186,9 +198,10 @@ async def main() -> None:
     parser.add_argument("--root", type=Path, default=REPO_ROOT, help="folder the tools may read")
     parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--pattern", default=PATTERN, help="the grep pattern the user suggests")
+    parser.add_argument("--repeat", action="store_true", help="a last turn re-emits the file")
     add_backend_argument(parser)
     args = parser.parse_args()
-    with open_engine(args.backend) as engine:
+    with open_engine(args.backend, args.speculative) as engine:
         await agent(engine, args)
 
 
@@ -212,6 +225,9 @@ async def agent(engine, args: argparse.Namespace) -> None:
         # Last turn: a plain-text prefill keeps the model from calling another tool.
         ask = f"{args.question} Summarize what you found."
         await turn(s, "turn 4", ask, prefill="Summary:")
+        if args.repeat and read:
+            again = f"Write out the lines of {read[0]} that read_file returned, exactly."
+            await turn(s, "turn 5", again, prefill="```python\n", sampling=REPEAT_TURN)
 
         print("\nper-turn cache statistics:")
         assistant_turns = [m for m in s.messages if m.role == "assistant"]

@@ -119,7 +119,7 @@ async def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.n <= len(CASES):
         parser.error(f"--n must be between 1 and {len(CASES)}")
-    with open_engine(args.backend) as engine:
+    with open_engine(args.backend, args.speculative) as engine:
         await evaluate(engine, args)
 
 

@@ -104,7 +104,7 @@ async def main() -> None:
     add_backend_argument(parser)
     args = parser.parse_args()
     t0 = time.perf_counter()
-    with open_engine(args.backend) as engine:
+    with open_engine(args.backend, args.speculative) as engine:
         await session_demo(engine, t0)
     print(f"done in {time.perf_counter() - t0:.1f}s")
 

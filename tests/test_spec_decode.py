@@ -380,6 +380,13 @@ def test_grammar_drafts_only_what_it_accepts_and_masks_every_drafted_row(default
     assert {a, c} <= allowed[2] and b not in allowed[2]  # after "ab": "a" again or "c"
     assert grammar.draftable([a, b]) == [a, b]  # the state was put back
     assert grammar.commit(a) == a and grammar.draftable([a]) == []
+    # drafts that run past the grammar's end: a stopped matcher takes no EOS (nor counts it
+    # for rollback), the rows after the end allow EOS alone, and the state is put back
+    eos = min(default_engine.core.eos_token_ids)
+    bitmask = backend.allocate_bitmask(4)
+    grammar.fill_draft_bitmasks(bitmask, 0, [b, c, eos])
+    assert bitmask[3].nonzero().flatten().tolist() == [eos >> 5]
+    assert grammar.draftable([b, c]) == [b, c] and not grammar.is_terminated
 
 
 def test_a_drafted_position_the_budget_forces_is_sampled_again(default_engine):

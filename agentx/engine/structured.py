@@ -162,9 +162,13 @@ class GrammarMatcher:
         self.fill_bitmask(bitmask, row)
         consumed = 0
         for j, token_id in enumerate(drafts, 1):
-            if not self._matcher.consume_token(token_id):
-                break  # cannot happen for draftable() drafts; the row stays all-zero
-            consumed += 1
+            # a stopped matcher takes nothing more (EOS included) and does not count it for
+            # rollback; what follows the grammar's end is never output: its rows keep the
+            # stopped state's mask
+            if not self._matcher.is_stopped():
+                if not self._matcher.consume_token(token_id):
+                    break  # cannot happen for draftable() drafts; the rows stay all-zero
+                consumed += 1
             words = bitmask[row + j]
             self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.itemsize)
         self._matcher.rollback(consumed)

@@ -79,12 +79,16 @@ class Usage(BaseModel):
     """Token counts and timings of one turn (or, summed with ``+``, of a tree of turns).
 
     ``computed_tokens`` are prompt tokens that had to be prefilled (not served from a cache).
+    ``draft_tokens`` were drafted from context and verified (``SpeculativeConfig``);
+    ``accepted_draft_tokens`` of them became output without a step of their own.
     """
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
     output_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     ttft_s: float | None = None
     output_tokens_per_s: float | None = None
 
@@ -97,6 +101,8 @@ class Usage(BaseModel):
             cached_tokens=self.cached_tokens + other.cached_tokens,
             computed_tokens=self.computed_tokens + other.computed_tokens,
             output_tokens=self.output_tokens + other.output_tokens,
+            draft_tokens=self.draft_tokens + other.draft_tokens,
+            accepted_draft_tokens=self.accepted_draft_tokens + other.accepted_draft_tokens,
             ttft_s=_first_set(self.ttft_s, other.ttft_s),
             output_tokens_per_s=_first_set(self.output_tokens_per_s, other.output_tokens_per_s),
         )

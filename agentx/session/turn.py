@@ -130,6 +130,8 @@ class Turn:
             cached_tokens=gen.usage.cached_tokens,
             computed_tokens=gen.usage.computed_prompt_tokens,
             output_tokens=gen.usage.output_tokens,
+            draft_tokens=gen.usage.draft_tokens,
+            accepted_draft_tokens=gen.usage.accepted_draft_tokens,
             ttft_s=(t_first - self._t_submit) if t_first is not None else None,
             output_tokens_per_s=(gen.usage.output_tokens - 1) / decode_s if decode_s > 0 else None,
         )

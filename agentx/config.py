@@ -188,9 +188,11 @@ class SpeculativeConfig:
     followed its latest n-gram elsewhere in what it can see (its own prompt and output, its
     session tree's outputs, recent outputs engine-wide) and the step verifies them beside
     everything else. Greedy output, and seeded sampled output, is identical with it on or off.
+    On by default: it measured 3x decode where output repeats context and 0.98x where nothing
+    repeats (docs/BENCHMARKS.md).
     """
 
-    enabled: bool = False
+    enabled: bool = True
     # The most tokens one request drafts in a step; each request adapts its own k below this
     # from the drafts it saw accepted.
     num_speculative_tokens: int = 8

@@ -7,7 +7,10 @@ Three cases, each run on a fresh engine with drafting off, then on (same config 
     fanout        an eval fan-out: a parent session's task, forked; each subagent restates it
                   (drafts from its own context and its siblings' outputs)
     random        random-token prompts, greedy, EOS ignored, batched, like the synthetic AgentX
-                  trace's prompts (little repeats: the cost of drafting that does not pay)
+                  trace's prompts (greedy continuations of them fall into loops the request's
+                  own index predicts, so drafts pay here too)
+    sampled       the same prompts sampled at temperature 1 (seeded): continuations that do
+                  not repeat, so this shows the cost of drafting that does not pay
 
 Decode tok/s is output tokens after the first over the time after the first token, summed over
 the case's turns. Prints a Markdown table headed by the exact command.
@@ -108,13 +111,17 @@ async def fanout(engine: Engine, args: argparse.Namespace, result: Result) -> No
             )
 
 
-async def random_prompts(engine: Engine, args: argparse.Namespace, result: Result) -> None:
+async def random_prompts(
+    engine: Engine, args: argparse.Namespace, result: Result, temperature: float = 0.0
+) -> None:
     rng = random.Random(0)
     vocab = engine.core.spec.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(4)]
-    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
-    async def one(prompt: list[int]) -> None:
+    async def one(i: int, prompt: list[int]) -> None:
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens, ignore_eos=True, temperature=temperature, seed=i
+        )
         start, first, num = time.perf_counter(), None, 0
         async for out in engine.stream(prompt, sampling):
             num += len(out.new_token_ids)
@@ -126,13 +133,18 @@ async def random_prompts(engine: Engine, args: argparse.Namespace, result: Resul
         result.decode_s += end - first
         result.wall_s += end - start
 
-    await asyncio.gather(*(one(p) for p in prompts))
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+async def sampled_prompts(engine: Engine, args: argparse.Namespace, result: Result) -> None:
+    await random_prompts(engine, args, result, temperature=1.0)
 
 
 CASES: dict[str, Callable] = {
     "repeat_file": repeat_file,
     "fanout": fanout,
     "random": random_prompts,
+    "sampled": sampled_prompts,
 }
 
 

@@ -20,10 +20,10 @@ back to the model as an error result. Every turn extends the one before, so afte
 turn only the new tokens (tool results, the next question) are computed: see the cache
 statistics printed per turn.
 
-``--repeat`` adds a turn that asks the model to write out the file it read: agents re-emit what
-they read (edits, quotes), and the engine drafts such output from the context it holds
-(``SpeculativeConfig``); the turn's line shows the decode rate and the drafts accepted
-(``--speculative off`` to compare).
+``--repeat`` adds a turn that gives the model the first lines of the file it read and asks for
+them back: agents re-emit what they read (edits, quotes), and the engine drafts such output from
+the context it holds (``SpeculativeConfig``); each turn's line shows its decode rate and the
+drafts accepted (``--speculative off`` to compare).
 
 Run on this repository (about 20 s on a 2-core CPU)::
 
@@ -60,6 +60,7 @@ PATTERN = "^class Scheduler:$"
 CALL_TURN = SamplingParams(max_tokens=64)
 ANSWER_TURN = SamplingParams(max_tokens=64)
 REPEAT_TURN = SamplingParams(max_tokens=256)
+REPEAT_LINES = 20
 
 
 class Workspace:
@@ -226,7 +227,9 @@ async def agent(engine, args: argparse.Namespace) -> None:
         ask = f"{args.question} Summarize what you found."
         await turn(s, "turn 4", ask, prefill="Summary:")
         if args.repeat and read:
-            again = f"Write out the lines of {read[0]} that read_file returned, exactly."
+            # the 135M model asks read_file for a line or two: the user pastes more of the file
+            lines = workspace.read_file(read[0], max_lines=REPEAT_LINES)
+            again = f"Here is {read[0]}:\n```python\n{lines}\n```\nWrite it out again, exactly."
             await turn(s, "turn 5", again, prefill="```python\n", sampling=REPEAT_TURN)
 
         print("\nper-turn cache statistics:")

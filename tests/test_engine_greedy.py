@@ -7,7 +7,7 @@ reference is each prompt run alone)."""
 import pytest
 import torch
 
-from agentx import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
+from agentx import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from agentx.engine.core import EngineCore
 
 pytestmark = pytest.mark.slow
@@ -29,6 +29,11 @@ def engine(quantization, make_engine_module):
 @pytest.fixture(scope="module")
 def make_engine_q(quantization, make_engine_module):
     return lambda **kw: make_engine_module(quantization=quantization, **kw)
+
+
+# Drafting off where a test counts steps, chunks or preemptions: drafts change the schedule's
+# shape (never the tokens: tests/test_spec_decode.py runs these with drafting on).
+NO_DRAFTS = SpeculativeConfig(enabled=False)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +113,9 @@ def test_prefix_cache_hit_keeps_tokens(make_engine_q, greedy_prompts, reference_
 
 
 def test_chunked_prefill_threshold_16(make_engine_q, greedy_prompts, reference_tokens):
-    engine = make_engine_q(scheduler=SchedulerConfig(long_prefill_token_threshold=16))
+    engine = make_engine_q(
+        scheduler=SchedulerConfig(long_prefill_token_threshold=16), speculative=NO_DRAFTS
+    )
     gens = engine.generate(greedy_prompts, GREEDY)
     assert [g.token_ids for g in gens] == reference_tokens
     # the 37-token chat prompt alone needs 3 steps at 16 tokens a step before its first token
@@ -118,7 +125,7 @@ def test_chunked_prefill_threshold_16(make_engine_q, greedy_prompts, reference_t
 
 def test_preemption_keeps_tokens(make_engine_q, greedy_prompts, reference_tokens):
     # 24 usable blocks of 16 tokens = 384 tokens; five requests need ~5 * 6 blocks at the end
-    engine = make_engine_q(cache=CacheConfig(num_blocks=25))
+    engine = make_engine_q(cache=CacheConfig(num_blocks=25), speculative=NO_DRAFTS)
     gens = engine.generate(greedy_prompts, GREEDY)
     assert engine.stats().num_preemptions > 0
     assert [g.token_ids for g in gens] == reference_tokens
@@ -135,6 +142,7 @@ def run_with_late_long_prompt(scheduler, prompts, long_prompt, quantization):
             cache=CacheConfig(kv_cache_bytes=256 << 20),
             scheduler=scheduler,
             quantization=quantization,
+            speculative=NO_DRAFTS,
         )
     )
     tokens = {f"p{i}": [] for i in range(len(prompts))} | {"long": []}

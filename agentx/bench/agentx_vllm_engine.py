@@ -32,6 +32,7 @@ class AgentxVLLMOptions:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     block_size: int = 64  # as the vllm peer's default: the same prefix-cache unit
+    compile: bool = True  # torch.compile'd graphs, as the vllm peer's default (not eager)
 
     def config(self):
         from agentx.engine.vllm import VLLMConfig
@@ -44,6 +45,7 @@ class AgentxVLLMOptions:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             block_size=self.block_size,
+            enforce_eager=not self.compile,
         )
 
 

@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--backend", default="agentx", choices=("agentx", "vllm"))
+    p.add_argument(
+        "--vllm-compile",
+        choices=("on", "off"),
+        default="on",
+        help="--backend vllm: torch.compile'd graphs (on, as the vllm peer) or eager (off)",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default="auto", choices=("none", "auto", "int8", "int4"))
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             kv_cache_gib=max(1, round(args.kv_cache_gib)),
             max_num_seqs=min(args.max_num_seqs, 16),
             max_num_batched_tokens=args.max_num_batched_tokens,
+            compile=args.vllm_compile == "on",
         )
         asyncio.run(serve(AgentxVLLMEngine(vllm_options), out))
         return

@@ -299,6 +299,7 @@ class VLLMEngine(EngineBackend):
             started.append(exc)
             ready.set()
             return
+        torch.set_num_threads(self._num_threads)  # vLLM's start sets 1 "for serving"
         started.append(None)
         ready.set()
         try:

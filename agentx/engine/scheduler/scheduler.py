@@ -432,9 +432,6 @@ class Scheduler:
                     break  # after a swapped token, the drafts' KV is not this output's
             if item.num_draft_tokens:
                 self._take_back_drafts(request, item.num_draft_tokens, len(appended) - 1)
-                # the last token is computed next step (and after a stop inside the accepted
-                # drafts, what followed it was never output)
-                request.num_computed_tokens = request.num_tokens - 1
             if request.is_finished:
                 self.running.remove(request)
                 self._free(request)
@@ -446,8 +443,10 @@ class Scheduler:
         return deltas
 
     def _take_back_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """Verification kept the first ``num_accepted`` drafts: the rest were never tokens."""
-        request.num_computed_tokens -= num_drafted - num_accepted
+        """Verification kept the first ``num_accepted`` drafts: the rest were never tokens.
+        The last token appended is computed next step (and after a stop inside the accepted
+        drafts, what followed it was never output)."""
+        request.num_computed_tokens = request.num_tokens - 1
         request.drafter.observe(num_drafted, num_accepted)
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted

@@ -31,7 +31,15 @@ import time
 
 import torch
 
-from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig, kernels
+from agentx import (
+    CacheConfig,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpeculativeConfig,
+    kernels,
+)
 from agentx.engine import core
 from agentx.engine.models import base, blocks, layers
 from agentx.engine.runner import model_runner
@@ -164,12 +172,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--decoders", type=int, default=8, help="requests decoding")
+    parser.add_argument(
+        "--speculative", choices=("on", "off"), default="off",
+        help="drafting (off by default: a step of drafts is neither kind below)",
+    )
     args = parser.parse_args()
     DECODERS = args.decoders
     config = EngineConfig(
         quantization=args.quantization,
         cache=CacheConfig(kv_cache_bytes=1 << 30),
         scheduler=SchedulerConfig(max_num_batched_tokens=512),
+        speculative=SpeculativeConfig(enabled=args.speculative == "on"),
     )
     clock = Clock()
     stages: list[torch.Tensor] = []

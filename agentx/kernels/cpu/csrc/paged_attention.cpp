@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -247,14 +248,29 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
   }
 }
 
-// Keys [start, start + count) of one chunk for NH heads of one row: online softmax update.
+// Consecutive keys of one chunk that sit in one block: K rows at k, V rows at v.
+template <typename T>
+struct Segment {
+  const T* k;
+  const T* v;
+  int64_t count;
+};
+
+// The first `count` keys of one chunk (its segments in order) for NH heads of one row: the
+// online softmax update. Scores are per key, so they are computed segment by segment; the
+// value sums run one FMA chain over the chunk's keys in order, later segments continuing it
+// (their correction is 1, exact).
 template <typename T, int D, int NH, bool Wide>
-inline void fold_chunk(const float* q, const T* kb, const T* vb, int64_t count, int64_t ts,
+inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
                        float scale, float* score, State* const* st) {
-  if constexpr (Wide) {
-    row_scores_avx512<T, D, NH>(q, kb, count, ts, scale, score);
-  } else {
-    row_scores<T, D, NH>(q, kb, count, ts, scale, score);
+  for (int64_t off = 0, s = 0; off < count; ++s) {
+    const int64_t n = std::min(segs[s].count, count - off);
+    if constexpr (Wide) {
+      row_scores_avx512<T, D, NH>(q, segs[s].k, n, ts, scale, score + off);
+    } else {
+      row_scores<T, D, NH>(q, segs[s].k, n, ts, scale, score + off);
+    }
+    off += n;
   }
   float correction[NH];
   for (int h = 0; h < NH; ++h) {
@@ -277,15 +293,28 @@ inline void fold_chunk(const float* q, const T* kb, const T* vb, int64_t count, 
     st[h]->denom = st[h]->denom * correction[h] + hsum(sum);
     st[h]->max = new_max;
   }
-  if constexpr (Wide) {
-    row_values_avx512<T, D, NH>(score, vb, count, ts, correction, st);
-  } else {
-    row_values<T, D, NH>(score, vb, count, ts, correction, st);
+  float ones[NH];
+  for (int h = 0; h < NH; ++h) ones[h] = 1.f;
+  for (int64_t off = 0, s = 0; off < count; ++s) {
+    const int64_t n = std::min(segs[s].count, count - off);
+    const float* c = off == 0 ? correction : ones;
+    if constexpr (Wide) {
+      row_values_avx512<T, D, NH>(score + off, segs[s].v, n, ts, c, st);
+    } else {
+      row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st);
+    }
+    off += n;
   }
 }
 
+// The segments of one KV head: the same keys, `head` elements further into each token row.
+template <typename T>
+inline void head_segments(const Segment<T>* segs, int64_t nsegs, int64_t head, Segment<T>* out) {
+  for (int64_t s = 0; s < nsegs; ++s) out[s] = {segs[s].k + head, segs[s].v + head, segs[s].count};
+}
+
 template <typename T, int D, bool Wide>
-inline void fold_heads(const float* q, const T* kb, const T* vb, int64_t count, int64_t ts,
+inline void fold_heads(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
                        float scale, float* score, State* st, int64_t group) {
   State* ptrs[3];
   for (int64_t g = 0; g < group; g += 3) {
@@ -293,26 +322,25 @@ inline void fold_heads(const float* q, const T* kb, const T* vb, int64_t count, 
     for (int64_t h = 0; h < nh; ++h) ptrs[h] = st + g + h;
     const float* qg = q + g * D;
     if (nh == 3) {
-      fold_chunk<T, D, 3, Wide>(qg, kb, vb, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 3, Wide>(qg, segs, count, ts, scale, score, ptrs);
     } else if (nh == 2) {
-      fold_chunk<T, D, 2, Wide>(qg, kb, vb, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 2, Wide>(qg, segs, count, ts, scale, score, ptrs);
     } else {
-      fold_chunk<T, D, 1, Wide>(qg, kb, vb, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 1, Wide>(qg, segs, count, ts, scale, score, ptrs);
     }
   }
 }
 
-// Bring one block's K and V rows (every KV head: `width` elements a token) towards L1: blocks
-// sit at random addresses, so the hardware prefetcher cannot guess the next one.
-template <typename T>
+// Bring one block's K and V rows (every KV head: `width` elements a token) towards the core:
+// blocks sit at random addresses, so the hardware prefetcher cannot guess the next one.
+template <typename T, int Hint>
 inline void prefetch_block(const T* kb, int64_t count, int64_t width, int64_t block_stride_tokens) {
-  constexpr int kLine = 64 / sizeof(T);
   const char* k = reinterpret_cast<const char*>(kb);
   const char* v = reinterpret_cast<const char*>(kb + block_stride_tokens * width);
   const int64_t bytes = count * width * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < bytes; i += kLine * static_cast<int64_t>(sizeof(T))) {
-    _mm_prefetch(k + i, _MM_HINT_T0);
-    _mm_prefetch(v + i, _MM_HINT_T0);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    _mm_prefetch(k + i, static_cast<_mm_hint>(Hint));
+    _mm_prefetch(v + i, static_cast<_mm_hint>(Hint));
   }
 }
 
@@ -324,67 +352,77 @@ inline void widen(const at::BFloat16* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Keys a chunk: the online softmax folds this many keys at a time (chunks are aligned to
+// multiples of it from key 0 and span several blocks when blocks are smaller), so its
+// per-chunk work (max, exps, rescaling) is paid once per 64 keys, not once per block.
+constexpr int64_t kChunkTokens = 64;
+constexpr int64_t kMaxSegments = kChunkTokens + 1;
+
 // Keys [lo, ends[tile_rows - 1]) for a tile of rows (ends[r]: row r's last key + 1,
-// nondecreasing) and every KV head with the `group` query heads reading it, block by block:
-// each block's K/V (whole token rows, all heads) comes from memory once for the whole tile.
+// nondecreasing) and every KV head with the `group` query heads reading it, chunk by chunk:
+// each chunk's K/V (whole token rows, all heads) comes from memory once for the whole tile.
 // states: tile_rows x heads, row-major.
+//
+//   keys   lo          c*64        (c+1)*64          hi
+//          |--chunk--|----chunk------|---- ... -----|
+//          [blk][blk][blk][blk][blk]...   (blocks of block_size tokens, anywhere in memory)
 template <typename T, int D, bool Wide>
 void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t block_stride,
                  const int64_t* table, int64_t lo, const int64_t* ends, int64_t tile_rows,
                  int64_t block_size, int64_t num_kv_heads, int64_t group, float scale,
                  State* states) {
   alignas(32) float score[3 * kScoreStride];
-  // one chunk's K (first half) and V (second half) as fp32, for bf16 caches and tiles of rows
-  thread_local std::vector<float> wide;
-  const int64_t hi = ends[tile_rows - 1];
-  const int64_t need = 2 * static_cast<int64_t>(block_size) * num_kv_heads * D;
-  if (!std::is_same_v<T, float> && tile_rows > 1 && static_cast<int64_t>(wide.size()) < need) {
-    wide.resize(need);
-  }
-  const int64_t wide_v = need / 2;
+  const int64_t chunk = std::max(kChunkTokens, block_size);
   const int64_t token_stride = num_kv_heads * D, heads = num_kv_heads * group;
-  const int64_t second = (lo / block_size + 1) * block_size;
-  if (second < hi) {
-    prefetch_block<T>(cache + table[lo / block_size + 1] * block_stride,
-                      std::min(block_size, hi - second), token_stride, block_size);
-  }
+  // one chunk's K (first half) and V (second half) as fp32, for bf16 caches and tiles of rows
+  const bool widened = !std::is_same_v<T, float> && tile_rows > 1;
+  thread_local std::vector<float> wide;
+  const int64_t wide_v = chunk * token_stride;
+  if (widened && static_cast<int64_t>(wide.size()) < 2 * wide_v) wide.resize(2 * wide_v);
+  const int64_t hi = ends[tile_rows - 1];
+  Segment<T> segs[kMaxSegments], head_segs[kMaxSegments];
+  Segment<float> wsegs[1], whead[1];
+  // blocks are fetched into L2 a chunk ahead of the one being read (the hardware prefetcher
+  // does not follow the block table); `fetched`: the first block not asked for yet
+  int64_t fetched = lo / block_size;
+  const int64_t num_blocks = (hi - 1) / block_size + 1;
   for (int64_t start = lo; start < hi;) {
-    const int64_t b = start / block_size;
-    const int64_t end = std::min(hi, (b + 1) * block_size);
-    // two blocks ahead: one block's work is shorter than fetching the next from memory
-    const int64_t ahead = (b + 2) * block_size;
-    if (ahead < hi) {
-      prefetch_block<T>(cache + table[b + 2] * block_stride,
-                        std::min(block_size, hi - ahead), token_stride, block_size);
+    const int64_t end = std::min(hi, (start / chunk + 1) * chunk);
+    const int64_t ahead = std::min(num_blocks, ((end + chunk - 1) / block_size) + 1);
+    for (; fetched < ahead; ++fetched) {
+      prefetch_block<T, _MM_HINT_T1>(cache + table[fetched] * block_stride, block_size,
+                                     token_stride, block_size);
     }
-    const T* kblock = cache + table[b] * block_stride + (start - b * block_size) * token_stride;
-    if (!std::is_same_v<T, float> && tile_rows > 1) {
+    int64_t nsegs = 0;
+    for (int64_t t = start; t < end;) {
+      const int64_t b = t / block_size, seg_end = std::min(end, (b + 1) * block_size);
+      const T* k = cache + table[b] * block_stride + (t - b * block_size) * token_stride;
+      segs[nsegs++] = {k, k + block_size * token_stride, seg_end - t};
+      t = seg_end;
+    }
+    if (widened) {
       // bf16: widen the chunk's K and V to fp32 once for the whole tile (exact), so the rows'
       // inner loops load floats instead of converting every element again
-      const int64_t n = (end - start) * token_stride;
-      widen(kblock, n, wide.data());
-      widen(kblock + block_size * token_stride, n, wide.data() + wide_v);
-      for (int64_t r = 0; r < tile_rows; ++r) {
-        const int64_t count = std::min(end, ends[r]) - start;
-        if (count <= 0) continue;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const float* kb = wide.data() + h * D;
-          fold_heads<float, D, Wide>(q + r * q_row_stride + h * group * D, kb, kb + wide_v,
-                                     count, token_stride, scale, score,
-                                     states + r * heads + h * group, group);
-        }
+      for (int64_t s = 0, off = 0; s < nsegs; off += segs[s].count, ++s) {
+        const int64_t n = segs[s].count * token_stride;
+        widen(segs[s].k, n, wide.data() + off * token_stride);
+        widen(segs[s].v, n, wide.data() + wide_v + off * token_stride);
       }
-      start = end;
-      continue;
+      wsegs[0] = {wide.data(), wide.data() + wide_v, end - start};
     }
     for (int64_t r = 0; r < tile_rows; ++r) {
       const int64_t count = std::min(end, ends[r]) - start;
       if (count <= 0) continue;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const T* kb = kblock + h * D;
-        fold_heads<T, D, Wide>(q + r * q_row_stride + h * group * D, kb,
-                               kb + block_size * token_stride, count, token_stride, scale, score,
-                               states + r * heads + h * group, group);
+        const float* qh = q + r * q_row_stride + h * group * D;
+        State* st = states + r * heads + h * group;
+        if (widened) {
+          head_segments<float>(wsegs, 1, h * D, whead);
+          fold_heads<float, D, Wide>(qh, whead, count, token_stride, scale, score, st, group);
+        } else {
+          head_segments<T>(segs, nsegs, h * D, head_segs);
+          fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group);
+        }
       }
     }
     start = end;
@@ -461,9 +499,24 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
   for (int64_t s = 0; s < item_state[items]; ++s) {
     states[s] = {acc.data() + s * head_dim, -std::numeric_limits<float>::infinity(), 0.f};
   }
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Items differ in cost by 100x (a decode row's split vs a tile of prefill rows), so threads
+  // claim them one at a time, costliest first, instead of taking fixed halves of the list;
+  // which thread runs an item changes nothing in its arithmetic.
+  std::vector<int64_t> order(items);
+  std::vector<int64_t> cost(items);
+  for (int64_t it = 0; it < items; ++it) {
+    order[it] = it;
+    const int64_t t = item_tile[it];
+    cost[it] = (tile_first[t + 1] - tile_first[t]) * (item_hi[it] - item_lo[it]);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     int64_t ends[kTileRows];
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t claimed; (claimed = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t it = order[claimed];
       const int64_t r0 = tile_first[item_tile[it]], n = tile_first[item_tile[it] + 1] - r0;
       for (int64_t i = 0; i < n; ++i) ends[i] = std::min(token_len[r0 + i], item_hi[it]);
       fn(q + r0 * heads * head_dim, heads * head_dim, cache, block_stride,

@@ -27,9 +27,10 @@ Prefill windows: with ``prefill_schedule_interval`` N > 1 the replicas share one
 indices, as DP ranks that step in lockstep would (scheduler/step_clock.py says what that buys
 in-process).
 
-Replicas run in one process: ``torch.set_num_threads`` (each replica's ``num_threads``) is one
-setting for the process, so give every replica the same count; the loop threads share the GIL
-for the Python side of their steps (the ops release it).
+Replicas run in one process. ``torch.set_num_threads`` acts on the calling thread (OpenMP): a
+replica sets its ``num_threads`` on the thread that builds it, and the loop thread it starts
+then runs with that count (checked: two replicas at 1 thread each while the caller keeps 2).
+The loop threads share the GIL for the Python side of their steps (the ops release it).
 """
 
 from __future__ import annotations

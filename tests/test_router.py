@@ -1,7 +1,12 @@
 """The data-parallel session router: sticky sessions, cold first turns to the least loaded, and
 a waiting session migrating with its KV off an overloaded replica through a shared disk tier."""
 
+import queue
+import threading
+from dataclasses import replace
+
 import pytest
+import torch
 
 from agentx import (
     CacheConfig,
@@ -151,13 +156,19 @@ def test_a_waiting_session_migrates_with_its_kv_through_a_shared_disk_tier(tmp_p
             assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
 
 
-def test_replicas_share_one_step_clock():
+def test_replicas_share_one_step_clock_and_run_their_own_thread_count():
     config = EngineConfig(
+        num_threads=1,
         cache=CacheConfig(num_blocks=64),
         scheduler=SchedulerConfig(prefill_schedule_interval=4),
         parallel=ParallelConfig(dp=2),
     )
-    with ReplicaRouter(config) as router:
+    threads_here = torch.get_num_threads()
+    built = []  # built on another thread: set_num_threads acts on the thread that calls it
+    builder = threading.Thread(target=lambda: built.append(ReplicaRouter(config)))
+    builder.start()
+    builder.join()
+    with built[0] as router:
         clocks = [engine.core.scheduler.cadence.clock for engine in router.replicas]
         assert clocks == [router.step_clock] * 2
         for r in range(2):
@@ -167,6 +178,12 @@ def test_replicas_share_one_step_clock():
         steps = [engine.stats().num_steps for engine in router.replicas]
         assert indices == [steps[0] - 1, steps[0] - 1 + steps[1] - 1]
         assert router.step_clock.get_index() == indices[1]
-    with ReplicaRouter(config, align_prefills=False) as router:
+        assert torch.get_num_threads() == threads_here
+        seen = queue.Queue()
+        for engine in router.replicas:
+            engine._control(lambda core: seen.put(torch.get_num_threads()))
+        assert [seen.get(timeout=60) for _ in router.replicas] == [1, 1]  # each loop thread
+    unaligned = replace(config, num_threads=None)
+    with ReplicaRouter(unaligned, align_prefills=False) as router:
         assert router.step_clock is None
         assert router.replicas[0].core.scheduler.cadence.clock is None

@@ -20,7 +20,8 @@ through to its tiers, so the router only waits for the home replica's queued sto
 (``flush_offload``), and the new replica's prefix lookup finds the session's blocks in the tier
 and loads them instead of recomputing. Held KV named by the request (``held_kv``) is exported
 from the home replica, imported on the new one, and released at home. The router refuses a
-migrating policy without a shared tier. Routing holds the router's lock, migration included.
+migrating policy without a shared tier. Routing holds the router's lock, migration included,
+and the home replica's loop pauses while its queued stores land.
 
 Prefill windows: with ``prefill_schedule_interval`` N > 1 the replicas share one
 :class:`StepClock` (``align_prefills``), so they open their prefill windows on the same step
@@ -29,7 +30,8 @@ in-process).
 
 Replicas run in one process. ``torch.set_num_threads`` acts on the calling thread (OpenMP): a
 replica sets its ``num_threads`` on the thread that builds it, and the loop thread it starts
-then runs with that count (checked: two replicas at 1 thread each while the caller keeps 2).
+then runs with that count (tests/test_router.py: two replicas at 1 thread each, the caller's
+thread keeps its own).
 The loop threads share the GIL for the Python side of their steps (the ops release it).
 """
 

@@ -150,9 +150,9 @@ class RouterAdapter(EngineAdapter):
     async def final_stats(self) -> dict | None:
         if self.router is None:
             return None
+        self.router.check_integrity()  # a leaked block fails the run, not just the table
         replicas = []
         for engine in self.router.replicas:
-            engine.check_integrity()  # a leaked block fails the run, not just the table
             stats = engine.stats()
             replicas.append({**asdict(stats), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate})
         return {

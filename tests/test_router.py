@@ -66,6 +66,7 @@ def test_router_over_two_replicas():
         prompt = turn1.prompt_token_ids + turn1.token_ids
         again, stream = router.add_request(prompt, greedy, session_id="s1")
         assert again == first
+        router.check_integrity()
         assert stream.result(timeout=120).usage.cached_tokens > 0  # its KV was there
         with pytest.raises(ConfigError):
             ReplicaRouter(config, policy="random")
@@ -150,8 +151,11 @@ def test_a_waiting_session_migrates_with_its_kv_through_a_shared_disk_tier(tmp_p
 
         assert router.migrations == [Migration("s", 0, 1, 0), Migration("h", 0, 1, 176)]
         assert router.policy.home == {"s": 1, "h": 1}
+        router.check_integrity()
+        router.end_session("s")
+        assert router.policy.home == {"h": 1}
+        router.check_integrity()
         for engine in router.replicas:
-            engine.check_integrity()
             stats = engine.stats()
             assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
 

@@ -77,6 +77,10 @@ class RouterPolicy(ABC):
     def forget(self, session_id: str) -> None:  # noqa: B027 - most policies keep no sessions
         """The session ended: drop what the policy keeps for it."""
 
+    def check_integrity(self, placement: dict[str, int]) -> None:  # noqa: B027
+        """Raise AssertionError if what the policy keeps disagrees with ``placement`` (session
+        -> the replica the router last sent it to)."""
+
 
 def least_loaded(loads: Sequence[ReplicaLoad]) -> int:
     """Fewest live requests, then fewest sessions, then the lowest index."""
@@ -128,6 +132,9 @@ class StickySessionPolicy(RouterPolicy):
 
     def forget(self, session_id: str) -> None:
         self.home.pop(session_id, None)
+
+    def check_integrity(self, placement: dict[str, int]) -> None:
+        assert self.home == placement, f"homes drifted from placement: {self.home} {placement}"
 
 
 POLICIES: dict[str, type[RouterPolicy]] = {
@@ -250,6 +257,19 @@ class ReplicaRouter:
             self.policy.forget(session_id)
             for sessions in self._sessions:
                 sessions.discard(session_id)
+
+    def check_integrity(self) -> None:
+        """Every replica's own check; a session placed on one replica at most; the policy's
+        state agrees with the placement."""
+        with self._lock:
+            placement: dict[str, int] = {}
+            for r, sessions in enumerate(self._sessions):
+                for session_id in sessions:
+                    assert session_id not in placement, f"{session_id} is on two replicas"
+                    placement[session_id] = r
+            self.policy.check_integrity(placement)
+        for engine in self.replicas:
+            engine.check_integrity()
 
     def close(self) -> None:
         for engine in self.replicas:

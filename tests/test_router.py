@@ -1,10 +1,26 @@
-"""The data-parallel session router: sticky sessions, cold first turns to the least loaded."""
+"""The data-parallel session router: sticky sessions, cold first turns to the least loaded, and
+a waiting session migrating with its KV off an overloaded replica through a shared disk tier."""
+
+import queue
+import threading
+from dataclasses import replace
 
 import pytest
+import torch
 
-from agentx import CacheConfig, ConfigError, Engine, EngineConfig, ParallelConfig, SamplingParams
+from agentx import (
+    CacheConfig,
+    ConfigError,
+    Engine,
+    EngineConfig,
+    ParallelConfig,
+    RequestAbortedError,
+    SamplingParams,
+)
+from agentx.config import OffloadConfig, SchedulerConfig
 from agentx.engine.router import (
     LeastLoadedPolicy,
+    Migration,
     ReplicaLoad,
     ReplicaRouter,
     RoundRobinPolicy,
@@ -50,6 +66,128 @@ def test_router_over_two_replicas():
         prompt = turn1.prompt_token_ids + turn1.token_ids
         again, stream = router.add_request(prompt, greedy, session_id="s1")
         assert again == first
+        router.check_integrity()
         assert stream.result(timeout=120).usage.cached_tokens > 0  # its KV was there
         with pytest.raises(ConfigError):
             ReplicaRouter(config, policy="random")
+
+
+def test_sticky_migrates_a_session_off_an_overloaded_home():
+    policy = StickySessionPolicy(migrate_after=2)
+    assert policy.migrates_kv and not StickySessionPolicy().migrates_kv
+    assert policy.choose("a", _loads(0, 0)) == 0
+    assert policy.choose("a", _loads(2, 0)) == 0  # 2 more than the least loaded: stays
+    assert policy.choose("a", _loads(3, 0)) == 1  # 3 more: moves, and 1 is its home now
+    assert policy.choose("a", _loads(0, 2)) == 1
+    assert policy.home == {"a": 1}
+    with pytest.raises(ConfigError):
+        StickySessionPolicy(migrate_after=-1)
+
+
+def test_a_migrating_policy_needs_a_shared_tier():
+    config = EngineConfig(cache=CacheConfig(num_blocks=64), parallel=ParallelConfig(dp=2))
+    with pytest.raises(ConfigError, match="share"):
+        ReplicaRouter(config, StickySessionPolicy(migrate_after=0))
+    auto = EngineConfig(offload=OffloadConfig(mooncake="auto"), parallel=ParallelConfig(dp=2))
+    with pytest.raises(ConfigError, match="share"):  # a master per replica is not one tier
+        ReplicaRouter(auto, StickySessionPolicy(migrate_after=0))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _overload(router, replica):
+    """A long request live on ``replica``: its load is one more than the idle one's."""
+    return router.replicas[replica].add_request("Count to a thousand:", SamplingParams(
+        temperature=0.0, max_tokens=200, ignore_eos=True))  # fmt: skip
+
+
+def _end(router, blocker):
+    router.replicas[0].abort(blocker.request_id)
+    with pytest.raises(RequestAbortedError):
+        blocker.result(timeout=120)
+
+
+def test_a_waiting_session_migrates_with_its_kv_through_a_shared_disk_tier(tmp_path):
+    config = EngineConfig(
+        cache=CacheConfig(num_blocks=64),
+        offload=OffloadConfig(disk_path=tmp_path),
+        parallel=ParallelConfig(dp=2),
+    )
+    with ReplicaRouter(config, StickySessionPolicy(migrate_after=0)) as router:
+        tok = router.tokenizer
+        a = tok.encode("The history of the Roman Empire " * 30)[:180]
+        b = tok.encode("A recipe for bread and butter " * 30)[:180]
+        home, stream = router.add_request(a, GREEDY, session_id="s")
+        gen = stream.result(timeout=300)  # 185 tokens computed: 11 full blocks on disk
+        assert home == 0
+        blocker = _overload(router, 0)
+        turn2 = a + gen.token_ids + [13, 42]  # 188 tokens: 11 full blocks before the last
+        moved, stream = router.add_request(turn2, GREEDY, session_id="s")
+        _end(router, blocker)
+        migrated = stream.result(timeout=300)
+        assert moved == 1 and migrated.usage.cached_tokens == 176  # loaded, not recomputed
+        stay = router.replicas[0].add_request(turn2, GREEDY).result(timeout=300)
+        assert stay.usage.cached_tokens == 176 and migrated.token_ids == stay.token_ids
+        dst = router.replicas[1]
+        assert dst.stats().offload_loaded_blocks == 11
+        assert dst.core.offload.store.num_hits == {"disk": 11}
+
+        # held KV: exported at home, imported on the target, released at home
+        home, stream = router.add_request(b, GREEDY, session_id="h", hold_kv=True)
+        gen = stream.result(timeout=300)
+        assert home == 0 and router.replicas[0].stats().kv_num_held == 1
+        blocker = _overload(router, 0)
+        turn2 = b + gen.token_ids + [13, 42]
+        moved, stream = router.add_request(turn2, GREEDY, session_id="h", held_kv=stream.request_id)
+        _end(router, blocker)
+        migrated = stream.result(timeout=300)
+        assert moved == 1 and migrated.usage.cached_tokens == 176
+        assert router.replicas[0].stats().kv_num_held == 0
+        stay = router.replicas[0].add_request(turn2, GREEDY).result(timeout=300)
+        assert migrated.token_ids == stay.token_ids
+        assert dst.stats().offload_loaded_blocks == 22
+        assert dst.core.offload.store.num_hits == {"disk": 22}
+
+        assert router.migrations == [Migration("s", 0, 1, 0), Migration("h", 0, 1, 176)]
+        assert router.policy.home == {"s": 1, "h": 1}
+        router.check_integrity()
+        router.end_session("s")
+        assert router.policy.home == {"h": 1}
+        router.check_integrity()
+        for engine in router.replicas:
+            stats = engine.stats()
+            assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+
+
+def test_replicas_share_one_step_clock_and_run_their_own_thread_count():
+    config = EngineConfig(
+        num_threads=1,
+        cache=CacheConfig(num_blocks=64),
+        scheduler=SchedulerConfig(prefill_schedule_interval=4),
+        parallel=ParallelConfig(dp=2),
+    )
+    threads_here = torch.get_num_threads()
+    built = []  # built on another thread: set_num_threads acts on the thread that calls it
+    builder = threading.Thread(target=lambda: built.append(ReplicaRouter(config)))
+    builder.start()
+    builder.join()
+    with built[0] as router:
+        clocks = [engine.core.scheduler.cadence.clock for engine in router.replicas]
+        assert clocks == [router.step_clock] * 2
+        for r in range(2):
+            router.replicas[r].add_request("def f(x):", GREEDY).result(timeout=120)
+        # replica 1's first step takes the shared index replica 0 reached, not a count of its own
+        indices = [engine.core.scheduler.cadence.index for engine in router.replicas]
+        steps = [engine.stats().num_steps for engine in router.replicas]
+        assert indices == [steps[0] - 1, steps[0] - 1 + steps[1] - 1]
+        assert router.step_clock.get_index() == indices[1]
+        assert torch.get_num_threads() == threads_here
+        seen = queue.Queue()
+        for engine in router.replicas:
+            engine._control(lambda core: seen.put(torch.get_num_threads()))
+        assert [seen.get(timeout=60) for _ in router.replicas] == [1, 1]  # each loop thread
+    unaligned = replace(config, num_threads=None)
+    with ReplicaRouter(unaligned, align_prefills=False) as router:
+        assert router.step_clock is None
+        assert router.replicas[0].core.scheduler.cadence.clock is None

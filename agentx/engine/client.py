@@ -33,6 +33,7 @@ from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import Request, RequestOptions
 from agentx.engine.sampling import SamplingParams
+from agentx.engine.scheduler import StepClock
 from agentx.engine.streams import Generation, RequestStream
 from agentx.errors import (
     EngineClosedError,
@@ -49,9 +50,13 @@ logger = logging.getLogger(__name__)
 class Engine(EngineBackend):
     """agentx's own engine: the embedded default backend of every Session."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, step_clock: StepClock | None = None
+    ) -> None:
+        """``step_clock``: a step index shared with the other replicas of a ReplicaRouter
+        (their ``prefill_schedule_interval`` windows align); None: this engine's own."""
         self.config = config or EngineConfig()
-        self.core = EngineCore(self.config)
+        self.core = EngineCore(self.config, step_clock)
         self.core.wait_when_idle = False  # the loop waits outside its step lock (_loop_once)
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
@@ -187,6 +192,13 @@ class Engine(EngineBackend):
         handle = handle or f"import-{uuid.uuid4().hex[:12]}"
         with self._step_lock:
             return handle if self.core.import_held(export, handle) else None
+
+    def flush_offload(self, timeout: float = 30.0) -> None:
+        """Wait until the KV this engine has queued for its offload tiers has landed there
+        (another engine sharing a tier then finds it); nothing without offload."""
+        self._check_alive()
+        with self._step_lock:
+            self.core.flush_offload(timeout)
 
     def release_held(self, handle: str, drop_cached: bool = False) -> bool:
         """Release held KV; ``drop_cached`` also forgets its blocks' cached content."""

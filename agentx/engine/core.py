@@ -36,14 +36,16 @@ from agentx.engine.parallel.executor import Executor, make_executor
 from agentx.engine.request import Request, RequestOptions, RequestStatus
 from agentx.engine.runner.model_runner import DTYPES
 from agentx.engine.sampling import SamplingParams
-from agentx.engine.scheduler import Scheduler, make_output
+from agentx.engine.scheduler import Scheduler, StepClock, make_output
 from agentx.engine.structured import GrammarBackend
 from agentx.engine.text_state import TextState as _TextState
 from agentx.errors import ConfigError, InvalidRequestError
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, step_clock: StepClock | None = None) -> None:
+        """``step_clock``: a step index shared with other data-parallel replicas (their
+        prefill windows align: scheduler/step_clock.py); None: this engine's own."""
         self.config = config
         if config.parallel.dp > 1:
             raise ConfigError("parallel.dp > 1 needs a ReplicaRouter (engine/router.py)")
@@ -58,7 +60,7 @@ class EngineCore:
         checkpoint_path = checkpoint.path
         del checkpoint
         try:
-            self._build_cache(config, checkpoint_path)
+            self._build_cache(config, checkpoint_path, step_clock)
         except BaseException:  # worker processes do not outlive a failed start
             self.runner.close()
             raise
@@ -77,7 +79,9 @@ class EngineCore:
         self.is_idle = False  # the last step had nothing to schedule
         self.wait_when_idle = True
 
-    def _build_cache(self, config: EngineConfig, checkpoint_path: Path) -> None:
+    def _build_cache(
+        self, config: EngineConfig, checkpoint_path: Path, step_clock: StepClock | None = None
+    ) -> None:
         """The KV manager, the scheduler and the offload tiers, over the runner's layout."""
         self.max_model_len = self.runner.max_model_len
         cache = config.cache
@@ -86,7 +90,9 @@ class EngineCore:
             cache.enable_prefix_caching,
             make_retention(cache.retention_policy, cache.prefix_cache_retention_interval),
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, self.max_model_len, step_clock=step_clock
+        )
         self.offload: Offload = NullOffload()
         if config.offload.enabled:
             fingerprint = page_fingerprint(
@@ -252,6 +258,12 @@ class EngineCore:
         num = self.offload.import_(export, handle)
         self._requeue(self.offload.take_ready())
         return num
+
+    def flush_offload(self, timeout: float = 30.0) -> None:
+        """Wait until every queued tier transfer has landed (a session about to move to
+        another replica finds its blocks in the shared tier)."""
+        self.offload.flush(timeout)
+        self._requeue(self.offload.take_ready())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.offload.has_pending()

@@ -1,15 +1,38 @@
 """Data-parallel replicas behind a session router, in the caller's process.
 
     ReplicaRouter.add_request(prompt, session_id=...)
-        -> RouterPolicy.choose(session_id, loads) -> replica r -> replicas[r].add_request(...)
+        -> RouterPolicy.choose(session_id, loads) -> replica r
+        -> (the session moved and the policy migrates KV) source.flush_offload / export_held
+           -> r.import_held                                 (through the shared tier)
+        -> replicas[r].add_request(...)
 
-Each replica is a whole :class:`Engine` (its own scheduler, KV pool and, with tp > 1, its own
-worker processes). A session's KV lives on the replica that ran its last turn, so the policy
-that wins agent traffic is sticky: a session stays where its KV is; a first turn (cold, often
-long) goes to the least-loaded replica. Round-robin and least-loaded are the baselines the
-benchmarks compare it with. Not built yet: migrating a waiting session's KV off an overloaded
-replica (export / import through a shared tier) and aligning ``prefill_schedule_interval``
-across replicas.
+Each replica is a whole :class:`Engine` (its own scheduler, KV pool, loop thread and, with
+tp > 1, its own worker processes). A session's KV lives on the replica that ran its last turn, so
+the policy that wins agent traffic is sticky: a session stays where its KV is; a first turn
+(cold, often long) goes to the least-loaded replica. Round-robin and least-loaded are the
+baselines the benchmarks compare it with.
+
+Migration: ``StickySessionPolicy(migrate_after=k)`` moves a waiting session (its next turn is
+being routed) off a home replica that has more than ``k`` live requests more than the least
+loaded one. Its KV moves with it through a tier both replicas read (``OffloadConfig.disk_path``
+one folder for all, or a running Mooncake master): every replica writes the blocks it computes
+through to its tiers, so the router only waits for the home replica's queued stores
+(``flush_offload``), and the new replica's prefix lookup finds the session's blocks in the tier
+and loads them instead of recomputing. Held KV named by the request (``held_kv``) is exported
+from the home replica, imported on the new one, and released at home. The router refuses a
+migrating policy without a shared tier. Routing holds the router's lock, migration included,
+and the home replica's loop pauses while its queued stores land.
+
+Prefill windows: with ``prefill_schedule_interval`` N > 1 the replicas share one
+:class:`StepClock` (``align_prefills``), so they open their prefill windows on the same step
+indices, as DP ranks that step in lockstep would (scheduler/step_clock.py says what that buys
+in-process).
+
+Replicas run in one process. ``torch.set_num_threads`` acts on the calling thread (OpenMP): a
+replica sets its ``num_threads`` on the thread that builds it, and the loop thread it starts
+then runs with that count (tests/test_router.py: two replicas at 1 thread each, the caller's
+thread keeps its own).
+The loop threads share the GIL for the Python side of their steps (the ops release it).
 """
 
 from __future__ import annotations
@@ -20,9 +43,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from agentx.config import EngineConfig
+from agentx.config import EngineConfig, OffloadConfig
 from agentx.engine.client import Engine, Prompt
 from agentx.engine.sampling import SamplingParams
+from agentx.engine.scheduler import StepClock
 from agentx.engine.streams import RequestStream
 from agentx.errors import ConfigError
 
@@ -37,7 +61,14 @@ class ReplicaLoad:
 
 class RouterPolicy(ABC):
     """Chooses a replica per request. Called under the router's lock, one call at a time; it may
-    keep its own state (which replica holds which session) and mutates nothing else."""
+    keep its own state (which replica holds which session) and mutates nothing else.
+
+    ``migrates_kv``: when ``choose`` sends a session somewhere other than where the router last
+    placed it, the router moves the session's KV there through the shared tier. False: a moved
+    session recomputes its prefix on the new replica (the baselines do that).
+    """
+
+    migrates_kv: bool = False
 
     @abstractmethod
     def choose(self, session_id: str | None, loads: Sequence[ReplicaLoad]) -> int:
@@ -45,6 +76,10 @@ class RouterPolicy(ABC):
 
     def forget(self, session_id: str) -> None:  # noqa: B027 - most policies keep no sessions
         """The session ended: drop what the policy keeps for it."""
+
+    def check_integrity(self, placement: dict[str, int]) -> None:  # noqa: B027
+        """Raise AssertionError if what the policy keeps disagrees with ``placement`` (session
+        -> the replica the router last sent it to)."""
 
 
 def least_loaded(loads: Sequence[ReplicaLoad]) -> int:
@@ -66,14 +101,30 @@ class LeastLoadedPolicy(RouterPolicy):
 
 
 class StickySessionPolicy(RouterPolicy):
-    """A session's turns go where its first turn went; first turns to the least loaded."""
+    """A session's turns go where its first turn went; first turns to the least loaded.
 
-    def __init__(self) -> None:
+    ``migrate_after=k``: a session whose home has more than ``k`` live requests more than the
+    least-loaded replica moves there (its new home), its KV with it. None: never moves.
+    """
+
+    def __init__(self, migrate_after: int | None = None) -> None:
+        if migrate_after is not None and migrate_after < 0:
+            raise ConfigError(f"migrate_after must be >= 0 or None, got {migrate_after}")
+        self.migrate_after = migrate_after
+        self.migrates_kv = migrate_after is not None
         self.home: dict[str, int] = {}
 
     def choose(self, session_id: str | None, loads: Sequence[ReplicaLoad]) -> int:
         if session_id is not None and session_id in self.home:
-            return self.home[session_id]
+            home = self.home[session_id]
+            if self.migrate_after is None:
+                return home
+            best = least_loaded(loads)
+            excess = loads[home].num_live_requests - loads[best].num_live_requests
+            if excess > self.migrate_after:
+                self.home[session_id] = best
+                return best
+            return home
         replica = least_loaded(loads)
         if session_id is not None:
             self.home[session_id] = replica
@@ -81,6 +132,9 @@ class StickySessionPolicy(RouterPolicy):
 
     def forget(self, session_id: str) -> None:
         self.home.pop(session_id, None)
+
+    def check_integrity(self, placement: dict[str, int]) -> None:
+        assert self.home == placement, f"homes drifted from placement: {self.home} {placement}"
 
 
 POLICIES: dict[str, type[RouterPolicy]] = {
@@ -90,25 +144,59 @@ POLICIES: dict[str, type[RouterPolicy]] = {
 }
 
 
-class ReplicaRouter:
-    """``config.parallel.dp`` engine replicas (each built with dp=1) and a routing policy."""
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """A session the router moved, with its KV, from one replica to another."""
 
-    def __init__(self, config: EngineConfig, policy: str | RouterPolicy = "sticky") -> None:
+    session_id: str
+    source: int
+    target: int
+    num_held_tokens: int  # tokens of held KV imported on the target (0: the prefix cache only)
+
+
+def has_shared_tier(offload: OffloadConfig) -> bool:
+    """Do replicas built from one ``offload`` config read one tier? A disk folder, or a running
+    Mooncake master; not ``mooncake="auto"`` (each replica would start its own master)."""
+    return offload.disk_path is not None or offload.mooncake not in (None, "auto")
+
+
+class ReplicaRouter:
+    """``config.parallel.dp`` engine replicas (each built with dp=1) and a routing policy.
+
+    ``align_prefills``: the replicas share one StepClock, so ``prefill_schedule_interval``
+    opens their prefill windows on the same step indices. Raises ConfigError for an unknown
+    policy name, or a policy that migrates KV without a tier the replicas share.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        policy: str | RouterPolicy = "sticky",
+        *,
+        align_prefills: bool = True,
+    ) -> None:
         if isinstance(policy, str):
             if policy not in POLICIES:
                 raise ConfigError(f"router policy must be one of {sorted(POLICIES)}: {policy!r}")
             policy = POLICIES[policy]()
+        if policy.migrates_kv and not has_shared_tier(config.offload):
+            raise ConfigError(
+                "a policy that migrates KV needs a tier the replicas share: "
+                "OffloadConfig(disk_path=...) or a running Mooncake master's address"
+            )
         self.policy = policy
         one = replace(config, parallel=replace(config.parallel, dp=1))
+        self.step_clock = StepClock() if align_prefills else None
         self.replicas: list[Engine] = []
         try:
             for _ in range(config.parallel.dp):
-                self.replicas.append(Engine(one))
+                self.replicas.append(Engine(one, step_clock=self.step_clock))
         except BaseException:
             self.close()
             raise
         self._lock = threading.Lock()
         self._sessions: list[set[str]] = [set() for _ in self.replicas]
+        self.migrations: list[Migration] = []
         self.tokenizer = self.replicas[0].tokenizer
 
     def add_request(
@@ -121,23 +209,67 @@ class ReplicaRouter:
     ) -> tuple[int, RequestStream]:
         """Route and queue a request; the replica chosen and the request's stream. A session's
         ``held_kv`` handle (``Engine.add_request``) only means something on its own replica:
-        the sticky policy keeps it there."""
+        the sticky policy keeps it there, and a migration replaces it with the handle of the
+        KV imported on the new replica."""
         with self._lock:
             loads = [
                 ReplicaLoad(engine.get_num_live_requests(), len(sessions))
                 for engine, sessions in zip(self.replicas, self._sessions, strict=True)
             ]
+            source = self._placed_on(session_id)
             replica = self.policy.choose(session_id, loads)
             if session_id is not None:
+                if source is not None and source != replica and self.policy.migrates_kv:
+                    options = self._migrate(session_id, source, replica, options)
                 for r, sessions in enumerate(self._sessions):
                     (sessions.add if r == replica else sessions.discard)(session_id)
         return replica, self.replicas[replica].add_request(prompt, sampling, **options)
+
+    def _placed_on(self, session_id: str | None) -> int | None:
+        for r, sessions in enumerate(self._sessions):
+            if session_id in sessions:
+                return r
+        return None
+
+    def _migrate(self, session_id: str, source: int, target: int, options: dict) -> dict:
+        """Make the session's KV on ``source`` loadable on ``target``; the request's options
+        with ``held_kv`` naming the imported copy (when it named held KV)."""
+        src, dst = self.replicas[source], self.replicas[target]
+        request_options = options.get("options")
+        handle = options.get("held_kv") or getattr(request_options, "held_kv", None)
+        num_held = 0
+        if handle is None:
+            src.flush_offload()  # the prefix cache's blocks: the target's lookup loads them
+        else:
+            export = src.export_held(handle)  # waits for its stores, like flush_offload
+            imported = dst.import_held(export) if export is not None else None
+            if imported is not None:
+                num_held = len(export.token_ids)
+            src.release_held(handle)  # the session left: the tier (and the target) hold it
+            options = {**options, "held_kv": imported}
+            if request_options is not None:
+                options["options"] = replace(request_options, held_kv=imported)
+        self.migrations.append(Migration(session_id, source, target, num_held))
+        return options
 
     def end_session(self, session_id: str) -> None:
         with self._lock:
             self.policy.forget(session_id)
             for sessions in self._sessions:
                 sessions.discard(session_id)
+
+    def check_integrity(self) -> None:
+        """Every replica's own check; a session placed on one replica at most; the policy's
+        state agrees with the placement."""
+        with self._lock:
+            placement: dict[str, int] = {}
+            for r, sessions in enumerate(self._sessions):
+                for session_id in sessions:
+                    assert session_id not in placement, f"{session_id} is on two replicas"
+                    placement[session_id] = r
+            self.policy.check_integrity(placement)
+        for engine in self.replicas:
+            engine.check_integrity()
 
     def close(self) -> None:
         for engine in self.replicas:

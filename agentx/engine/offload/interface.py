@@ -68,6 +68,11 @@ class Offload(ABC):
         """Load an exported prefix as held KV ``handle``; returns its tokens on the device."""
 
     @abstractmethod
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait (up to ``timeout`` seconds) until every queued transfer has landed and apply
+        the finished ones; parked requests whose load finished go to ``take_ready``."""
+
+    @abstractmethod
     def get_stats(self) -> dict[str, int]:
         """``EngineStats`` fields (``offload_*``)."""
 
@@ -110,6 +115,9 @@ class NullOffload(Offload):
 
     def import_(self, export: KVExport, handle: str) -> int:
         return 0
+
+    def flush(self, timeout: float = 30.0) -> None:
+        pass
 
     def get_stats(self) -> dict[str, int]:
         return {}

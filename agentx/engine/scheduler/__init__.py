@@ -2,6 +2,7 @@
 
 from agentx.engine.scheduler.queues import QUEUES, FCFSQueue, PriorityQueue, RequestQueue
 from agentx.engine.scheduler.scheduler import Scheduler, make_output
+from agentx.engine.scheduler.step_clock import PrefillCadence, StepClock
 from agentx.engine.scheduler.step_cost import (
     STEP_COST_MODELS,
     AdaptiveStepCost,
@@ -17,9 +18,11 @@ __all__ = [
     "AdaptiveStepCost",
     "FCFSQueue",
     "FixedStepCost",
+    "PrefillCadence",
     "PriorityQueue",
     "RequestQueue",
     "Scheduler",
+    "StepClock",
     "StepCost",
     "StepCostModel",
     "make_output",

@@ -39,6 +39,7 @@ from agentx.engine.outputs import (
 from agentx.engine.request import FINISH_REASONS, Request, RequestStatus
 from agentx.engine.scheduler.lanes import FirstTurnLanes
 from agentx.engine.scheduler.queues import QUEUES
+from agentx.engine.scheduler.step_clock import PrefillCadence, StepClock
 from agentx.engine.scheduler.step_cost import StepCostModel, make_step_cost
 from agentx.errors import PromptTooLongError
 
@@ -85,9 +86,11 @@ class Scheduler:
         max_model_len: int,
         cost_model: StepCostModel | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        step_clock: StepClock | None = None,
     ) -> None:
         """``cost_model``: None builds the configured one. ``clock``: seconds, for step times
-        (tests pass a fake one)."""
+        (tests pass a fake one). ``step_clock``: a step index shared with other replicas, so
+        their ``prefill_schedule_interval`` windows align (step_clock.py); None: this one's."""
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
@@ -105,6 +108,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # not yet reported to the runner
         self._known_to_runner: set[str] = set()
         self.num_steps = 0
+        self.cadence = PrefillCadence(config.prefill_schedule_interval, step_clock)
+        self._window_open = True  # this step may start new prefills (the cadence's window)
         self.num_preemptions = 0
         self.num_computed_tokens = 0
         self.num_reused_tokens = 0
@@ -185,6 +190,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._chunk_share = self._get_chunk_share()
+        self._window_open = self.cadence.tick()
         budget = _StepBudget(self.config.max_num_batched_tokens, self._chunk_share)
         scheduled: dict[str, _Scheduled] = {}
         lanes = self.lanes
@@ -323,8 +329,7 @@ class Scheduler:
         return budget.clip(num_new)
 
     def _may_admit(self) -> bool:
-        interval = self.config.prefill_schedule_interval
-        return interval == 1 or not self.running or self.num_steps % interval == 0
+        return self._window_open or not self.running
 
     def _admit_waiting(
         self, budget: _StepBudget, scheduled: dict[str, _Scheduled], cold: bool | None = None

@@ -96,6 +96,12 @@ class SchedulerConfig:
     # progresses (and its time to first token stays bounded) even when decodes alone fill the
     # target: 4 blocks of 16 tokens.
     decode_step_min_prefill_tokens: int = 64
+    # A waiting turn with at most this many tokens left to compute after its prefix hit (a
+    # warm turn: a tool result or a user message on a cached context) is admitted whole, past
+    # the chunk share: the step-time target caps only longer prefills. A burst of short turns
+    # (subagents forked together) is then prefilled in one step and decodes at full speed,
+    # instead of trickling in one per step with every step held at the target. 0: off.
+    short_turn_tokens: int = 0
     # First-turn lanes (engine/scheduler/lanes.py): a request admitted with more than this many
     # tokens left to compute after its prefix hit is a cold first turn; while it runs beside
     # warm turns it gets cold_prefill_share of each step's chunk tokens (kept for it, and no
@@ -125,6 +131,10 @@ class SchedulerConfig:
         for name in ("decode_step_target_ms", "step_cost_base_ms", "step_cost_request_ms"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not isinstance(self.short_turn_tokens, int) or self.short_turn_tokens < 0:
+            raise ConfigError(
+                f"short_turn_tokens must be an int >= 0, got {self.short_turn_tokens!r}"
+            )
         if not math.isfinite(self.step_cost_token_ms) or self.step_cost_token_ms <= 0:
             raise ConfigError(f"step_cost_token_ms must be positive, got {self.step_cost_token_ms}")
         if not isinstance(self.cold_prefill_tokens, int) or self.cold_prefill_tokens < 0:

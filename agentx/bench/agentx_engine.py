@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from agentx.bench.adapter import (
     BenchEngineError,
@@ -31,6 +31,8 @@ class AgentxOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     decode_step_target_ms: float | None = None  # None: SchedulerConfig's default
+    # further SchedulerConfig fields by name (the worker's --scheduler NAME=VALUE)
+    scheduler_options: dict = field(default_factory=dict)
     offload: object | None = None  # an agentx.OffloadConfig (tiers below the device)
     speculative: bool | None = None  # drafting from context; None: SpeculativeConfig's default
 
@@ -53,6 +55,7 @@ class AgentxOptions:
                     if self.decode_step_target_ms is None
                     else {"decode_step_target_ms": self.decode_step_target_ms}
                 ),
+                **self.scheduler_options,
             ),
         )
 
@@ -67,6 +70,7 @@ class AgentxOptions:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "offload": str(self.offload) if self.offload else None,
             "speculative": self._speculative().enabled,
+            **({"scheduler": dict(self.scheduler_options)} if self.scheduler_options else {}),
         }
 
     def _speculative(self):

@@ -50,6 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the scheduler's step-time target while requests decode (default: the config's)",
     )
     p.add_argument(
+        "--scheduler",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a SchedulerConfig field (int or float), e.g. short_turn_tokens=256; repeatable",
+    )
+    p.add_argument(
         "--speculative",
         choices=("on", "off"),
         default=None,
@@ -162,9 +169,21 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_step_target_ms=args.decode_step_target_ms,
+        scheduler_options=_scheduler_options(args.scheduler),
         speculative=None if args.speculative is None else args.speculative == "on",
     )
     asyncio.run(serve(AgentxEngine(options), out))
+
+
+def _scheduler_options(items: list[str]) -> dict:
+    """``NAME=VALUE`` pairs as SchedulerConfig keyword arguments (ints stay ints)."""
+    options = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--scheduler takes NAME=VALUE, got {item!r}")
+        options[name] = float(value) if "." in value else int(value)
+    return options
 
 
 if __name__ == "__main__":

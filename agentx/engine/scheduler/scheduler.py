@@ -60,8 +60,8 @@ class _StepBudget:
 
     def take(self, num_new: int, num_draft: int = 0) -> None:
         self.num_tokens -= num_new + num_draft
-        if num_new > 1:
-            self.num_chunk_tokens -= num_new
+        if num_new > 1:  # a short turn admitted whole may take more than the share left
+            self.num_chunk_tokens = max(0, self.num_chunk_tokens - num_new)
 
     def give_back(self, num_new: int, num_draft: int = 0) -> None:
         self.num_tokens += num_new + num_draft
@@ -328,6 +328,13 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return budget.clip(num_new)
 
+    def _clip_admitted(self, num_new: int, budget: _StepBudget) -> int:
+        """A waiting request's tokens this step: a short turn's whole, past the chunk share
+        (``short_turn_tokens``), anything else as ``_clip``."""
+        if 1 < num_new <= self.config.short_turn_tokens:
+            return num_new if num_new <= budget.num_tokens else self._clip(num_new, budget)
+        return self._clip(num_new, budget)
+
     def _may_admit(self) -> bool:
         return self._window_open or not self.running
 
@@ -343,7 +350,7 @@ class Scheduler:
             is_cold = cold is not None and self.lanes.joins_cold_lane(request.num_tokens, num_hit)
             if cold is not None and is_cold != cold:
                 continue
-            num_new = self._clip(request.num_tokens - num_hit, budget)
+            num_new = self._clip_admitted(request.num_tokens - num_hit, budget)
             if num_new == 0:
                 break  # the chunk share is spent; admission keeps the queue's order
             new_blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks)

@@ -1,8 +1,10 @@
 """Expert parallel over worker processes (gloo on loopback, world size 2), on a tiny random
-Qwen3-Next (6 experts, top 2, a shared expert; Gated DeltaNet and gated attention layers).
+Qwen3-Next (6 experts, top 4, a shared expert; Gated DeltaNet and gated attention layers).
 
 Each rank holds 3 of the 6 experts of every MoE layer; attention, the router and the shared expert
-are replicated. The kernel test splits the experts over 2 and 3 "ranks" in one process and checks
+are replicated. Top 4, not the usual helper's top 2: with two experts a token no order of
+additions can differ, with four a per-rank partial sum already rounds differently (a test below
+shows it). The kernel test splits the experts over 2 and 3 "ranks" in one process and checks
 that the summed slots combine to :func:`moe_experts`' output bit for bit; the engine test checks
 greedy tokens at ep=2 equal ep=1 with prefix caching, chunked prefill and preemption on. Both
 engines run one torch thread per process, so a GEMM's own float order is the same in both (what
@@ -45,7 +47,7 @@ PROMPTS = [SHARED + random_tokens(30 + 3 * i, seed=10 + i) for i in range(4)]
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-next-ep")
-    save_qwen3_next_folder(path, tiny_qwen3_next())
+    save_qwen3_next_folder(path, tiny_qwen3_next(num_experts_per_tok=4))
     return path
 
 
@@ -62,15 +64,22 @@ def _config(folder, ep: int, **kw) -> EngineConfig:
     )
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3])
-@pytest.mark.parametrize("num_tokens", [1, 15, 63])
-def test_expert_slots_combine_to_moe_experts_bit_for_bit(num_ranks, num_tokens):
+def _moe_inputs(num_tokens: int, top_k: int):
     torch.manual_seed(num_tokens)
-    num_experts, top_k, hidden, inter = 6, 2, 64, 32
+    num_experts, hidden, inter = 6, 64, 32
     x = torch.randn(num_tokens, hidden)
     w13 = torch.randn(num_experts, 2 * inter, hidden) * 0.2
     w2 = torch.randn(num_experts, hidden, inter) * 0.2
     weights, ids = topk_softmax(torch.randn(num_tokens, num_experts), top_k, True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("num_tokens", [1, 15, 63])
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_expert_slots_combine_to_moe_experts_bit_for_bit(num_ranks, num_tokens, top_k):
+    x, w13, w2, weights, ids = _moe_inputs(num_tokens, top_k)
+    num_experts, hidden = w13.shape[0], x.shape[1]
     want = moe_experts(x, w13, w2, weights, ids)
     shards = [
         ParallelState(ep_rank=r, ep_size=num_ranks).expert_shard(num_experts)
@@ -84,6 +93,22 @@ def test_expert_slots_combine_to_moe_experts_bit_for_bit(num_ranks, num_tokens):
         assert ((part != 0).any(-1) == ((ids >= start) & (ids < start + n))).all()
         slots += part
     assert torch.equal(sum_expert_slots(slots, ids), want)
+
+
+def test_per_rank_partial_sums_would_round_differently():
+    """Why slots, not partial sums: each rank summing its own experts, then an all-reduce of the
+    (T, D) partial sums, adds a token's experts in another order than ep=1."""
+    x, w13, w2, weights, ids = _moe_inputs(63, 4)
+    parts = []
+    for start in (0, 3):
+        held = (ids >= start) & (ids < start + 3)  # other ranks' slots: weight 0, any local id
+        local_ids = (ids - start).clamp(0, 2)
+        parts.append(
+            moe_experts(x, w13[start : start + 3], w2[start : start + 3], weights * held, local_ids)
+        )
+    want = moe_experts(x, w13, w2, weights, ids)
+    assert not torch.equal(parts[0] + parts[1], want)
+    torch.testing.assert_close(parts[0] + parts[1], want)
 
 
 def test_expert_shards():

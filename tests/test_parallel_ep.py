@@ -35,7 +35,7 @@ from agentx import (
 from agentx.engine.models.loader.safetensors import load_hf_folder
 from agentx.engine.models.qwen3_next import Qwen3NextForCausalLM
 from agentx.engine.parallel import ParallelState
-from agentx.engine.parallel.worker import rank_state
+from agentx.engine.parallel.worker import WorkerCall, rank_state
 from agentx.kernels.ref import moe_expert_slots, moe_experts, sum_expert_slots, topk_softmax
 
 NUM_BLOCKS = 16  # four ~100-token requests sharing 4 prefix blocks do not fit: preemption
@@ -190,6 +190,23 @@ def test_ep2_under_preemption(engines):
     assert ep2.stats().num_preemptions > before
     assert ep2.stats().kv_num_used_blocks == 0
     ep2.check_integrity()
+
+
+def test_ep2_pages_are_one_replica(engines):
+    """Attention is replicated at ep=2: an offload page is one rank's block (as at ep=1), read
+    from rank 0 and written to both ranks."""
+    ep1, ep2 = engines
+    runner = ep2.core.runner
+    assert runner.page_bytes == ep1.core.runner.page_bytes
+    with ep2._step_lock:  # the loop thread's lock: no step touches the blocks meanwhile
+        saved = runner.gather_pages([3, 4])
+        assert saved.shape == (2, runner.page_bytes)
+        pages = torch.randint(0, 256, saved.shape, dtype=torch.uint8)
+        runner.scatter_pages([3, 4], pages)
+        assert torch.equal(runner.gather_pages([3, 4]), pages)
+        on_rank_1 = runner._call(WorkerCall("gather_pages", ([3, 4],), gather=True))[1]
+        assert torch.equal(on_rank_1, pages)
+        runner.scatter_pages([3, 4], saved)
 
 
 def test_ep2_dead_worker(folder):

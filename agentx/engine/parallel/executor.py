@@ -43,7 +43,9 @@ class Executor(ABC):
     @property
     @abstractmethod
     def page_bytes(self) -> int:
-        """Bytes of one block id across every slot and every rank: one offload page."""
+        """Bytes of one block id across every slot and every rank holding a different part of
+        it (ranks that replicate the KV, as under expert parallel, count once): one offload
+        page."""
 
     @abstractmethod
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:

@@ -229,10 +229,18 @@ class ParallelConfig:
     ``tp`` tensor parallel (heads, MLP columns and the vocabulary sharded), ``dcp`` decode
     context parallel (each request's KV tokens interleaved over ranks), ``pcp`` prefill context
     parallel, ``ep`` expert parallel and ``dp`` data-parallel replicas behind a session router.
-    With ``tp * dcp * pcp > 1`` the scheduler and KV manager stay in the caller's process and one
+    With ``world_size > 1`` the scheduler and KV manager stay in the caller's process and one
     worker process per rank runs the model. ``dp`` replicas are built by
     ``agentx.engine.router.ReplicaRouter`` (an ``Engine`` is one replica). ``backend`` is the
     torch.distributed backend: "auto" is gloo on CPU (over loopback) and NCCL on CUDA.
+
+    ``ep`` is the world on its own: ``ep > 1`` needs ``tp == dcp == pcp == 1`` (refused
+    otherwise). Each of the ``ep`` ranks holds ``num_experts / ep`` routed experts of every MoE
+    layer; everything else (embedding, attention and linear attention, KV cache, router, shared
+    expert, LM head) is replicated, every rank runs every token, and one all-reduce per MoE
+    layer combines the experts' outputs (engine/models/moe.py says why no all-to-all, and how
+    greedy tokens stay bit for bit those of ``ep=1``). The model must have MoE layers and
+    ``ep`` must divide their expert count: checked before any worker starts (ConfigError).
     """
 
     tp: int = 1
@@ -256,15 +264,17 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name} > 1 is not built yet (issue 12)")
         if self.tp > 1 and self.dcp > 1:
             raise ConfigError("parallel.tp and parallel.dcp together are not built yet")
+        if self.ep > 1 and self.tp * self.dcp * self.pcp > 1:
+            raise ConfigError("parallel.ep combines with no other degree yet (tp, dcp, pcp = 1)")
 
     @property
     def world_size(self) -> int:
         """Model ranks of one replica: one worker process each when more than one."""
-        return self.tp * self.dcp * self.pcp
+        return self.tp * self.dcp * self.pcp * self.ep
 
 
 # degrees whose code has not landed yet: refused when the config is built, never ignored
-_NOT_BUILT = ("pcp", "ep")
+_NOT_BUILT = ("pcp",)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,8 +77,9 @@ def save_hf_folder(folder: Path, model: torch.nn.Module, tokenizer, **save_kwarg
 QWEN3_NEXT_VOCAB = 384
 
 
-def tiny_qwen3_next() -> transformers.Qwen3NextForCausalLM:
-    """5 layers (linear, full, linear, linear, full), MoE with a shared expert, layer 2 dense."""
+def tiny_qwen3_next(num_experts_per_tok: int = 2) -> transformers.Qwen3NextForCausalLM:
+    """5 layers (linear, full, linear, linear, full), MoE (6 experts) with a shared expert,
+    layer 2 dense."""
     config = transformers.Qwen3NextConfig(
         vocab_size=QWEN3_NEXT_VOCAB,
         hidden_size=64,
@@ -95,7 +96,7 @@ def tiny_qwen3_next() -> transformers.Qwen3NextForCausalLM:
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
         num_experts=6,
-        num_experts_per_tok=2,
+        num_experts_per_tok=num_experts_per_tok,
         mlp_only_layers=[2],
         max_position_embeddings=512,
         layer_types=[

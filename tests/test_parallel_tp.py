@@ -173,7 +173,7 @@ def _alive(pid: int) -> bool:
 
 def test_parallel_config_validation():
     assert ParallelConfig(tp=2).world_size == 2
-    for bad in ({"tp": 0}, {"tp": 1.5}, {"backend": "mpi"}, {"pcp": 2}, {"ep": 2}):
+    for bad in ({"tp": 0}, {"tp": 1.5}, {"backend": "mpi"}, {"pcp": 2}, {"ep": 2, "tp": 2}):
         with pytest.raises(ConfigError):
             ParallelConfig(**bad)
     with pytest.raises(ConfigError):

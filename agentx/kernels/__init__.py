@@ -142,11 +142,13 @@ gated_delta_rule_chunked = _pick("gated_delta_rule_chunked")
 gated_delta_rule_recurrent = _pick("gated_delta_rule_recurrent")
 gelu_tanh_and_mul = _pick("gelu_tanh_and_mul")
 merge_attention_parts = _ref.merge_attention_parts
+moe_expert_slots = _ref.moe_expert_slots
 moe_experts = _ref.moe_experts
 paged_attention_partial = _ref.paged_attention_partial
 rms_norm = _pick("rms_norm")
 rms_norm_gated = _pick("rms_norm_gated")
 silu_and_mul = _pick("silu_and_mul")
+sum_expert_slots = _ref.sum_expert_slots
 topk_softmax = _ref.topk_softmax
 write_kv = _pick("write_kv")
 
@@ -163,6 +165,7 @@ __all__ = [
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",
     "merge_attention_parts",
+    "moe_expert_slots",
     "moe_experts",
     "pack_quantized_weight",
     "paged_attention",
@@ -173,6 +176,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_gated",
     "silu_and_mul",
+    "sum_expert_slots",
     "token_layout",
     "topk_softmax",
     "triton_enabled",

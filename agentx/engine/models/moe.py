@@ -4,7 +4,24 @@
       + sigmoid(shared_expert_gate(x)) * shared_expert(x)
 
 Every expert is a SwiGLU MLP; the routed ones live stacked in two tensors so a kernel can run
-them grouped. Tensor parallelism is not built for experts yet: the block is replicated.
+them grouped. Tensor parallelism is not built for experts yet.
+
+Expert parallel (``parallel.ep_size`` > 1): each rank holds ``num_experts / ep`` routed experts
+(a contiguous range); the router, the shared expert and every token are on every rank (the
+attention before it is replicated, so is its output). Each rank computes its experts' weighted
+outputs per routing slot, one all-reduce fills every slot on every rank, and every rank sums each
+token's slots in ascending expert id::
+
+    rank r:  x (T, D) -> router -> top-k ids, weights (T, k)     (the same on every rank)
+             slots (T, k, D) = w * expert(x) where rank r holds the expert, else 0
+    all-reduce(slots)                                             each slot non-zero on one rank
+    routed (T, D) = sum over each token's slots in expert order   moe_experts' float order
+
+No all-to-all: with activations replicated every rank already has every token, so dispatch is
+local and one collective combines. Reducing (T, k, D) slots rather than (T, D) partial sums costs
+k times the bytes but keeps ep=N bit for bit equal to ep=1 (a partial sum per rank would add the
+experts in another order). An all-to-all pays off once tokens are sharded (data-parallel
+attention): then each token travels only to the ranks of its k experts.
 """
 
 from __future__ import annotations
@@ -40,29 +57,42 @@ _EXPERT_NAME = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class FusedExperts(nn.Module):
-    """The routed experts, stacked: w13 (E, 2I, D) = each expert's [gate | up], w2 (E, D, I)."""
+    """The routed experts this rank holds, stacked: w13 (E_local, 2I, D) = each expert's
+    [gate | up], w2 (E_local, D, I); experts ``[expert_start, expert_start + E_local)`` of the
+    model's (all of them at ep=1)."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        parallel: ParallelState,
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        shape13 = (num_experts, 2 * intermediate_size, hidden_size)
-        shape2 = (num_experts, hidden_size, intermediate_size)
+        self.parallel = parallel
+        self.expert_start, self.num_local = parallel.expert_shard(num_experts)
+        shape13 = (self.num_local, 2 * intermediate_size, hidden_size)
+        shape2 = (self.num_local, hidden_size, intermediate_size)
         self.w13 = nn.Parameter(torch.empty(shape13, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(shape2, dtype=dtype), requires_grad=False)
 
     def load(self, name: str, full: torch.Tensor, part: int = 0) -> None:
         """Checkpoints name experts one by one (``{e}.gate_proj.weight``, ``{e}.up_proj.weight``,
         ``{e}.down_proj.weight``); transformers' in-memory layout stacks them already
-        (``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I))."""
+        (``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I)). Only this rank's experts are
+        copied; the others' tensors are skipped."""
         if name in ("gate_up_proj", "down_proj"):
-            (self.w13 if name == "gate_up_proj" else self.w2).data.copy_(full)
+            mine = full.narrow(0, self.expert_start, self.num_local)
+            (self.w13 if name == "gate_up_proj" else self.w2).data.copy_(mine)
             return
         match = _EXPERT_NAME.fullmatch(name)
         if match is None:
             raise ModelLoadError(f"unexpected expert tensor {name!r}")
-        expert, proj = int(match[1]), match[2]
+        expert, proj = int(match[1]) - self.expert_start, match[2]
+        if not 0 <= expert < self.num_local:
+            return  # another rank's expert
         size = self.intermediate_size
         if proj == "down_proj":
             self.w2.data[expert].copy_(full)
@@ -77,7 +107,14 @@ class FusedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        return kernels.moe_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+        """x (T, D), routing (T, k) -> (T, D): the weighted sum of each token's experts."""
+        if self.parallel.ep_size == 1:
+            return kernels.moe_experts(x, self.w13, self.w2, topk_weights, topk_ids)
+        slots = kernels.moe_expert_slots(
+            x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start
+        )  # (T, k, D)
+        self.parallel.ep_all_reduce(slots)
+        return kernels.sum_expert_slots(slots, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):
@@ -98,7 +135,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = ReplicatedLinear(hidden_size, num_experts, dtype)  # the router
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, parallel)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, parallel, dtype)
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype)
 

@@ -25,6 +25,7 @@ from agentx.engine.models.spec import ModelSpec
 from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
 from agentx.engine.parallel.state import ParallelState
 from agentx.engine.runner import ModelRunner
+from agentx.errors import ConfigError
 
 
 class Executor(ABC):
@@ -42,7 +43,9 @@ class Executor(ABC):
     @property
     @abstractmethod
     def page_bytes(self) -> int:
-        """Bytes of one block id across every slot and every rank: one offload page."""
+        """Bytes of one block id across every slot and every rank holding a different part of
+        it (ranks that replicate the KV, as under expert parallel, count once): one offload
+        page."""
 
     @abstractmethod
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
@@ -85,9 +88,14 @@ def make_executor(config: EngineConfig, checkpoint: Checkpoint) -> Executor:
     checkpoint themselves: the caller keeps only its tokenizer and spec)."""
     if config.parallel.world_size == 1:
         return ModelRunner(config, checkpoint.spec, checkpoint.weights)
-    spec, tp = checkpoint.spec, config.parallel.tp
+    spec, tp, ep = checkpoint.spec, config.parallel.tp, config.parallel.ep
     for rank in range(tp):  # a ConfigError here, before any process starts
         ParallelState(rank, tp).head_shard(spec.num_heads, spec.num_kv_heads)
+    if ep > 1:
+        num_experts = getattr(spec.arch_config, "num_experts", 0)
+        if not num_experts:
+            raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model")
+        ParallelState(ep_size=ep).expert_shard(num_experts)
     from agentx.engine.parallel.multiproc import MultiprocExecutor  # it imports this module
 
     return MultiprocExecutor(config, checkpoint.spec)

@@ -44,6 +44,9 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, spec: ModelSpec) -> None:
         self.spec = spec
         self.world_size = config.parallel.world_size
+        # expert parallel replicates attention: every rank holds the same KV, one rank's page is
+        # the block (gathered from rank 0, scattered to all)
+        self._kv_replicated = config.parallel.ep > 1
         self._lock = threading.Lock()
         self._dead: str | None = None
         self._closed = False
@@ -81,7 +84,7 @@ class MultiprocExecutor(Executor):
 
     @property
     def page_bytes(self) -> int:
-        return sum(self._page_bytes)
+        return self._page_bytes[0] if self._kv_replicated else sum(self._page_bytes)
 
     # ---- the executor protocol -----------------------------------------------------------
 
@@ -98,10 +101,15 @@ class MultiprocExecutor(Executor):
             self._call(WorkerCall("copy_blocks", (copies,)))
 
     def gather_pages(self, block_ids: list[int]) -> torch.Tensor:
+        if self._kv_replicated:
+            return self._call(WorkerCall("gather_pages", (block_ids,)))  # rank 0's
         parts = self._call(WorkerCall("gather_pages", (block_ids,), gather=True))
         return torch.cat(parts, dim=1)  # (n, sum of the ranks' page bytes)
 
     def scatter_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        if self._kv_replicated:
+            self._call(WorkerCall("scatter_pages", (block_ids, pages)))
+            return
         parts = pages.view(len(block_ids), -1).split(self._page_bytes, dim=1)
         calls = [WorkerCall("scatter_pages", (block_ids, p.contiguous())) for p in parts]
         self._call(calls)

@@ -1,5 +1,5 @@
-"""Which rank this process is in its tensor- and decode-context-parallel groups, and which heads
-it owns.
+"""Which rank this process is in its tensor-, decode-context- and expert-parallel groups, and
+which heads and experts it owns.
 
 Passed explicitly into model constructors (never a mutable global), so the same model code
 runs at world size 1 and under tensor parallelism.
@@ -35,12 +35,18 @@ class ParallelState:
     dcp_rank: int = 0
     dcp_size: int = 1
     dcp_group: Any = None
+    # expert parallel: this rank holds the routed experts of expert_shard(); the rest replicated
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: Any = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         if not 0 <= self.dcp_rank < self.dcp_size:
             raise ValueError(f"dcp_rank {self.dcp_rank} outside dcp_size {self.dcp_size}")
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank {self.ep_rank} outside ep_size {self.ep_size}")
 
     def head_shard(self, num_heads: int, num_kv_heads: int) -> HeadShard:
         """This rank's heads. KV heads are split as evenly as they go (the first ranks take one
@@ -67,6 +73,26 @@ class ParallelState:
             )
         num_q = num_heads // tp
         return HeadShard(rank * num_q, num_q, rank // (tp // num_kv_heads), 1)
+
+    def expert_shard(self, num_experts: int) -> tuple[int, int]:
+        """(first expert, number of experts) this rank holds: a contiguous range, the same size
+        on every rank::
+
+            6 experts, ep=2:   rank 0  experts 0-2  |  rank 1  experts 3-5
+
+        Raises ConfigError when ``ep_size`` does not divide ``num_experts``.
+        """
+        if num_experts % self.ep_size:
+            raise ConfigError(f"ep={self.ep_size} does not divide {num_experts} experts")
+        num_local = num_experts // self.ep_size
+        return self.ep_rank * num_local, num_local
+
+    def ep_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the expert-parallel group, in place."""
+        if self.ep_size == 1:
+            return x
+        torch.distributed.all_reduce(x, group=self.ep_group)
+        return x
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -139,8 +139,10 @@ def _start(spec: WorkerSpec) -> ModelRunner:
 
 
 def rank_state(config: EngineConfig, rank: int) -> ParallelState:
-    """This rank's place: one group spans the world (tp and dcp do not combine yet)."""
+    """This rank's place: one group spans the world (tp, dcp and ep do not combine yet)."""
     world = torch.distributed.group.WORLD
+    if config.parallel.ep > 1:
+        return ParallelState(ep_rank=rank, ep_size=config.parallel.ep, ep_group=world)
     if config.parallel.dcp > 1:
         return ParallelState(dcp_rank=rank, dcp_size=config.parallel.dcp, dcp_group=world)
     return ParallelState(rank, config.parallel.tp, world)

@@ -8,7 +8,7 @@ from agentx.kernels.ref.linear_attention import (
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
 )
-from agentx.kernels.ref.moe import moe_experts, topk_softmax
+from agentx.kernels.ref.moe import moe_expert_slots, moe_experts, sum_expert_slots, topk_softmax
 from agentx.kernels.ref.ops import (
     apply_rotary,
     fused_add_rms_norm,
@@ -27,6 +27,7 @@ __all__ = [
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",
     "merge_attention_parts",
+    "moe_expert_slots",
     "moe_experts",
     "paged_attention",
     "paged_attention_partial",
@@ -34,6 +35,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_gated",
     "silu_and_mul",
+    "sum_expert_slots",
     "topk_softmax",
     "write_kv",
 ]

@@ -47,3 +47,52 @@ def moe_experts(
         weight = topk_weights.flatten()[slots, None].to(y.dtype)
         out.index_add_(0, tokens, y * weight)
     return out
+
+
+def moe_expert_slots(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_start: int,
+) -> torch.Tensor:
+    """Each routing slot's weighted expert output, for the experts one rank holds.
+
+    w13 (E_local, 2I, D) and w2 (E_local, D, I) are experts ``[expert_start, expert_start +
+    E_local)``; x (T, D), topk_weights and topk_ids (T, k) -> (T, k, D) where slot (t, j) is
+    ``weight_tj * expert_{ids_tj}(x_t)`` when this rank holds expert ``ids_tj``, else zeros. An
+    expert sees the same tokens in the same order as in :func:`moe_experts`, so its values are
+    the same bits; summing the ranks' slots adds only zeros to each value (exact), and
+    :func:`sum_expert_slots` then adds them up in :func:`moe_experts`' order.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_local = w13.shape[0]
+    out = x.new_zeros(num_tokens * top_k, x.shape[1])  # (T*k, D): token t's j-th at t*k + j
+    local_ids = topk_ids.flatten() - expert_start
+    held = ((local_ids >= 0) & (local_ids < num_local)).nonzero().squeeze(1)
+    held = held[local_ids[held].argsort(stable=True)]  # by expert, then by slot
+    counts = torch.bincount(local_ids[held], minlength=num_local).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = held[start : start + count]
+        start += count
+        tokens = slots // top_k
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)  # (n, I) each
+        y = F.linear(F.silu(gate) * up, w2[expert])  # (n, D)
+        out[slots] = y * topk_weights.flatten()[slots, None].to(y.dtype)
+    return out.view(num_tokens, top_k, -1)
+
+
+def sum_expert_slots(slots: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """(T, k, D) slot outputs -> (T, D): each token's k slots added one at a time in ascending
+    expert id, from zeros: the float order of :func:`moe_experts` (which adds expert by
+    expert), so the result is bit for bit its result."""
+    order = topk_ids.argsort(dim=1, stable=True)  # (T, k)
+    ordered = slots.gather(1, order.unsqueeze(-1).expand_as(slots))
+    out = torch.zeros_like(ordered[:, 0])
+    for j in range(ordered.shape[1]):
+        out.add_(ordered[:, j])
+    return out

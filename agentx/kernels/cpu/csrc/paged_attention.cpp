@@ -357,6 +357,8 @@ inline void widen(const at::BFloat16* src, int64_t n, float* dst) {
 // per-chunk work (max, exps, rescaling) is paid once per 64 keys, not once per block.
 constexpr int64_t kChunkTokens = 64;
 constexpr int64_t kMaxSegments = kChunkTokens + 1;
+// chunks fetched into L2 ahead of the one being read (2 streamed ~5% faster than 1 or 4 here)
+constexpr int64_t kAheadChunks = 2;
 
 // Keys [lo, ends[tile_rows - 1]) for a tile of rows (ends[r]: row r's last key + 1,
 // nondecreasing) and every KV head with the `group` query heads reading it, chunk by chunk:
@@ -388,7 +390,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   const int64_t num_blocks = (hi - 1) / block_size + 1;
   for (int64_t start = lo; start < hi;) {
     const int64_t end = std::min(hi, (start / chunk + 1) * chunk);
-    const int64_t ahead = std::min(num_blocks, ((end + chunk - 1) / block_size) + 1);
+    const int64_t ahead = std::min(num_blocks, ((end + kAheadChunks * chunk - 1) / block_size) + 1);
     for (; fetched < ahead; ++fetched) {
       prefetch_block<T, _MM_HINT_T1>(cache + table[fetched] * block_stride, block_size,
                                      token_stride, block_size);

@@ -244,8 +244,6 @@ class ParallelConfig:
         for name in _NOT_BUILT:
             if getattr(self, name) > 1:
                 raise ConfigError(f"parallel.{name} > 1 is not built yet (issue 12)")
-        if self.tp > 1 and self.dcp > 1:
-            raise ConfigError("parallel.tp and parallel.dcp together are not built yet")
 
     @property
     def world_size(self) -> int:

@@ -223,6 +223,12 @@ class ParallelConfig:
     worker process per rank runs the model. ``dp`` replicas are built by
     ``agentx.engine.router.ReplicaRouter`` (an ``Engine`` is one replica). ``backend`` is the
     torch.distributed backend: "auto" is gloo on CPU (over loopback) and NCCL on CUDA.
+
+    ``tp`` and ``dcp`` combine (world ``tp * dcp``, tensor parallel innermost: ``rank =
+    dcp_rank * tp + tp_rank``): rank (d, t) holds TP shard t's heads of the positions p with
+    ``p % dcp == d``; TP all-reduces run in the tp group of one d, the DCP attention merge in
+    the dcp group of one t (``engine/parallel/worker.py``, ``rank_state``). DCP needs
+    ``cache.block_size`` divisible by ``dcp`` and a full-attention model.
     """
 
     tp: int = 1

@@ -26,8 +26,17 @@ import transformers
 from model_helpers import save_hf_folder, tiny_hf_config
 from test_parallel_tp import _alive, _config, _wait_for_tokens
 
-from agentx import Engine, EngineDeadError, ParallelConfig, SamplingParams
+from agentx import (
+    CacheConfig,
+    Engine,
+    EngineConfig,
+    EngineDeadError,
+    ParallelConfig,
+    SamplingParams,
+)
 from agentx.engine.models.loader import load_checkpoint
+from agentx.engine.parallel import ParallelState
+from agentx.engine.runner.model_runner import plan_rank_layout, scheduler_layout
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SHARED = list(range(100, 164))  # 64 tokens: 4 full scheduler blocks
@@ -118,3 +127,23 @@ def _check_dead_worker(grid: Engine) -> list[int]:
     with pytest.raises(EngineDeadError):
         grid.add_request(_prompts(1)[0], GREEDY)
     return pids
+
+
+def test_smollm2_tokens_per_rank_from_the_layout():
+    """SmolLM2 (3 KV heads) at tp=2 x dcp=2: rank (d, t) keeps KV heads 2 / 1 (t = 0 / 1) of 8
+    of every 16-token block; every rank plans as many blocks as the widest (t = 0) fits."""
+    spec = load_checkpoint(None, torch.float32).spec
+    block_bytes = 2 * 16 * spec.num_kv_heads * spec.head_dim * 2 * spec.num_layers  # bf16 K, V
+    config = EngineConfig(cache=CacheConfig(kv_cache_bytes=20 * block_bytes))
+    one = plan_rank_layout(config, spec, None, torch.bfloat16, ParallelState())
+    planned = []
+    for rank in range(4):
+        d, t = divmod(rank, 2)
+        state = ParallelState(tp_rank=t, tp_size=2, dcp_rank=d, dcp_size=2)
+        local = plan_rank_layout(config, spec, None, torch.bfloat16, state)
+        assert local.groups[0].spec.block_size == 8
+        assert local.groups[0].spec.num_kv_heads == (2, 1)[t]
+        planned.append(scheduler_layout(local, state))
+    assert one.num_blocks == 20  # 320 tokens at world size 1
+    # x1.5 (the widest rank holds 2 of 3 KV heads) x2 (half of each block): 60 blocks, 960 tokens
+    assert {(p.num_blocks, p.groups[0].spec.block_size) for p in planned} == {(60, 16)}

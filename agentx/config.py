@@ -241,6 +241,12 @@ class ParallelConfig:
     layer combines the experts' outputs (engine/models/moe.py says why no all-to-all, and how
     greedy tokens stay bit for bit those of ``ep=1``). The model must have MoE layers and
     ``ep`` must divide their expert count: checked before any worker starts (ConfigError).
+
+    ``tp`` and ``dcp`` combine (world ``tp * dcp``, tensor parallel innermost: ``rank =
+    dcp_rank * tp + tp_rank``): rank (d, t) holds TP shard t's heads of the positions p with
+    ``p % dcp == d``; TP all-reduces run in the tp group of one d, the DCP attention merge in
+    the dcp group of one t (``engine/parallel/worker.py``, ``rank_state``). DCP needs
+    ``cache.block_size`` divisible by ``dcp`` and a full-attention model.
     """
 
     tp: int = 1
@@ -262,8 +268,6 @@ class ParallelConfig:
         for name in _NOT_BUILT:
             if getattr(self, name) > 1:
                 raise ConfigError(f"parallel.{name} > 1 is not built yet (issue 12)")
-        if self.tp > 1 and self.dcp > 1:
-            raise ConfigError("parallel.tp and parallel.dcp together are not built yet")
         if self.ep > 1 and self.tp * self.dcp * self.pcp > 1:
             raise ConfigError("parallel.ep combines with no other degree yet (tp, dcp, pcp = 1)")
 

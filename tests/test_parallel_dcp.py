@@ -80,8 +80,7 @@ def test_dcp_holds_n_times_the_tokens_per_rank():
 
 def test_dcp_config():
     assert ParallelConfig(dcp=2).world_size == 2
-    with pytest.raises(ConfigError):
-        ParallelConfig(tp=2, dcp=2)  # TP x DCP is not built yet
+    assert ParallelConfig(tp=2, dcp=2).world_size == 4  # TP x DCP: tests/test_parallel_tp_dcp.py
     with pytest.raises(ConfigError):
         EngineConfig(cache=CacheConfig(block_size=1), parallel=ParallelConfig(dcp=2))
 

@@ -12,6 +12,8 @@ positions p with p % N == r::
 
 Each rank writes its own tokens, attends over them with their log-sum-exp, and the ranks' parts
 merge exactly (``kernels/ref/attention_partial.py``); every rank ends with the whole output.
+Under TP x DCP the merge runs in the dcp group of this rank's TP head shard: its ranks hold the
+same heads, so the parts are (T, this shard's heads, D) on each.
 """
 
 from __future__ import annotations

@@ -139,13 +139,37 @@ def _start(spec: WorkerSpec) -> ModelRunner:
 
 
 def rank_state(config: EngineConfig, rank: int) -> ParallelState:
-    """This rank's place: one group spans the world (tp, dcp and ep do not combine yet)."""
-    world = torch.distributed.group.WORLD
-    if config.parallel.ep > 1:
+    """This rank's place: the ep world, or the tp x dcp grid, tensor parallel innermost:
+    ``rank = dcp_rank * tp + tp_rank``::
+
+        tp=2, dcp=2          tp_rank 0        tp_rank 1
+          dcp_rank 0         rank 0           rank 1        <- tp group {0, 1}
+          dcp_rank 1         rank 2           rank 3        <- tp group {2, 3}
+                             dcp group {0, 2} dcp group {1, 3}
+
+    A rank holds its TP head shard of the positions p with p % dcp == dcp_rank. A tp group
+    (same positions, every head shard) all-reduces the row-parallel outputs and gathers the
+    vocabulary; a dcp group (same head shard, every position class) merges its ranks'
+    partial attention. Every rank creates every group, in the same order (``new_group`` is a
+    collective over the whole world).
+    """
+    if config.parallel.ep > 1:  # ep is the world on its own (ParallelConfig)
+        world = torch.distributed.group.WORLD
         return ParallelState(ep_rank=rank, ep_size=config.parallel.ep, ep_group=world)
-    if config.parallel.dcp > 1:
-        return ParallelState(dcp_rank=rank, dcp_size=config.parallel.dcp, dcp_group=world)
-    return ParallelState(rank, config.parallel.tp, world)
+    tp, dcp = config.parallel.tp, config.parallel.dcp
+    dcp_rank, tp_rank = divmod(rank, tp)
+    tp_groups = [_new_group([d * tp + t for t in range(tp)]) for d in range(dcp)]
+    dcp_groups = [_new_group([d * tp + t for d in range(dcp)]) for t in range(tp)]
+    return ParallelState(tp_rank, tp, tp_groups[dcp_rank], dcp_rank, dcp, dcp_groups[tp_rank])
+
+
+def _new_group(ranks: list[int]) -> Any:
+    """A process group over ``ranks``; None for one rank (its collectives are no-ops)."""
+    if len(ranks) == 1:
+        return None
+    if len(ranks) == torch.distributed.get_world_size():
+        return torch.distributed.group.WORLD
+    return torch.distributed.new_group(ranks)
 
 
 def _serve(served: RankRunner, conn: Connection, rank: int) -> None:

@@ -206,7 +206,7 @@ class KVCacheManager:
         decision = self.policy.on_turn_end(turn)
         n = decision.soft_pin_blocks
         groups = self.coordinator.get_blocks(rid)
-        pinned = [b for g in groups for b in g[:n]]
+        pinned = [b for g in groups for b in reversed(g[:n])]  # the prefix is evicted last
         rest = [b for g in groups for b in g[n:num_full]]
         if hold:
             self.hold(request)

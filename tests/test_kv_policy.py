@@ -415,3 +415,41 @@ def test_config_takes_a_policy_or_a_factory_and_refuses_anything_else():
         CacheConfig(kv_policy="lru")
     with pytest.raises(ConfigError, match="kv_policy_errors must be one of"):
         CacheConfig(kv_policy_errors="ignore")
+
+
+# ---- through the engine (the real default model) -----------------------------------------
+
+
+class PinFirstBlock(KVPolicy):
+    def on_turn_end(self, turn):
+        return TurnEndDecision(soft_pin_blocks=min(1, turn.num_full_blocks))
+
+
+@pytest.mark.slow
+def test_the_engine_applies_a_configured_policy_and_survives_a_broken_one(make_engine):
+    from agentx import SamplingParams
+
+    prompt = list(range(1, 40))  # 39 tokens: 2 full blocks of 16
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine = make_engine(cache=CacheConfig(num_blocks=32, kv_policy=PinFirstBlock))
+    expected = engine.generate([prompt], greedy)[0].token_ids
+    assert engine.core.kv.pool.pinned_queue.get_block_ids() == [1]
+    engine.check_integrity()
+    broken = make_engine(cache=CacheConfig(num_blocks=32, kv_policy=Raises()))
+    assert broken.generate([prompt], greedy)[0].token_ids == expected
+    stats = broken.stats()
+    assert stats.kv_policy_errors == 1 and stats.kv_num_used_blocks == 0
+    assert broken.core.kv.pool.pinned_queue.get_block_ids() == []
+    broken.check_integrity()
+
+
+@pytest.mark.slow
+def test_raise_mode_stops_the_engine_with_the_policy_error(make_engine):
+    from agentx import EngineDeadError, SamplingParams
+
+    cache = CacheConfig(num_blocks=32, kv_policy=Raises(), kv_policy_errors="raise")
+    engine = make_engine(cache=cache)
+    with pytest.raises(EngineDeadError) as info:
+        engine.generate([list(range(1, 40))], SamplingParams(max_tokens=2))
+    assert isinstance(info.value.__cause__, KVPolicyError)
+    assert info.value.__cause__.hook == "on_turn_end"

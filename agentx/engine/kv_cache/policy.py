@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from agentx.engine.hints import Hint
 from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +116,9 @@ class KVPolicy(ABC):  # noqa: B024 (every hook has a default: override what you 
     A hook never mutates the cache; the engine applies the validated answer afterwards.
     """
 
-    name: str = "kv-policy"
+    name: str = ""  # in errors and logs ("": the class name)
 
-    def plan_checkpoints(self, request, block_size: int) -> CheckpointPlan | None:
+    def plan_checkpoints(self, request: Request, block_size: int) -> CheckpointPlan | None:
         """Retention points of a request on a layout with a linear state (called once, when the
         request is first given blocks; ``request`` is read-only to the policy). None: the
         configured ``CacheConfig.retention_policy`` decides."""

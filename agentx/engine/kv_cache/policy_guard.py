@@ -27,6 +27,7 @@ from agentx.engine.kv_cache.policy import (
     TurnEndDecision,
     default_eviction_order,
 )
+from agentx.engine.request import Request
 from agentx.errors import KVPolicyError
 
 logger = logging.getLogger("agentx.engine")
@@ -55,9 +56,9 @@ class KVPolicyGuard:
 
     @property
     def name(self) -> str:
-        return str(getattr(self.policy, "name", type(self.policy).__name__))
+        return str(getattr(self.policy, "name", "") or type(self.policy).__name__)
 
-    def plan_checkpoints(self, request, block_size: int) -> CheckpointPlan:
+    def plan_checkpoints(self, request: Request, block_size: int) -> CheckpointPlan:
         def check(plan: object) -> CheckpointPlan:
             if plan is None:
                 plan = self.retention.plan_checkpoints(request, block_size)

@@ -21,6 +21,17 @@ from agentx.config import (
 )
 from agentx.engine.backend import EngineBackend, EngineCapabilities
 from agentx.engine.client import Engine
+from agentx.engine.kv_cache.policy import (
+    CheckpointPlan,
+    HeldCandidate,
+    KVPolicy,
+    LRUPolicy,
+    ToolWait,
+    ToolWaitDecision,
+    TurnEnd,
+    TurnEndDecision,
+)
+from agentx.engine.kv_cache.retention import IntervalRetention, MarconiRetention, NoRetention
 from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import RequestOptions
@@ -34,6 +45,7 @@ from agentx.errors import (
     EngineClosedError,
     EngineDeadError,
     InvalidRequestError,
+    KVPolicyError,
     ModelLoadError,
     ModelNotFoundError,
     OffloadError,
@@ -77,6 +89,7 @@ __all__ = [
     "AssistantMessage",
     "BranchPoint",
     "CacheConfig",
+    "CheckpointPlan",
     "ConfigError",
     "Engine",
     "EngineBackend",
@@ -86,11 +99,18 @@ __all__ = [
     "EngineDeadError",
     "EngineStats",
     "Generation",
+    "HeldCandidate",
+    "IntervalRetention",
     "InvalidRequestError",
     "KVExport",
+    "KVPolicy",
+    "KVPolicyError",
+    "LRUPolicy",
+    "MarconiRetention",
     "Message",
     "ModelLoadError",
     "ModelNotFoundError",
+    "NoRetention",
     "OffloadConfig",
     "OffloadError",
     "ParallelConfig",
@@ -118,9 +138,13 @@ __all__ = [
     "ToolCallEvent",
     "ToolLatency",
     "ToolMessage",
+    "ToolWait",
+    "ToolWaitDecision",
     "TraceError",
     "Turn",
     "TurnDone",
+    "TurnEnd",
+    "TurnEndDecision",
     "TurnEvent",
     "TurnInProgressError",
     "TurnsLeft",

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agentx.errors import ConfigError
+
+if TYPE_CHECKING:
+    from agentx.engine.kv_cache.policy import KVPolicy
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _POLICIES = ("fcfs", "priority")
 _QUANTIZATIONS = ("auto", "none", "int8", "int4")
 _STEP_COST_MODELS = ("adaptive", "fixed")
+_KV_POLICY_HOOKS = ("plan_checkpoints", "on_turn_end", "choose_evictions", "on_tool_wait")
+_KV_POLICY_ERRORS = ("fallback", "raise")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,16 @@ class CacheConfig:
     # decode step streams per cached token, twice the tokens a pool holds) and the model's
     # dtype otherwise; or "float32" / "bfloat16" explicitly.
     kv_cache_dtype: str = "auto"
+    # A programmable KV policy (engine/kv_cache/policy.py): what to keep, demote, prefetch and
+    # soft-pin, and where to checkpoint. A KVPolicy instance (shared by every engine built from
+    # this config) or a callable making one (a class: one per engine). None: the built-in
+    # behaviour. A policy that defers ``plan_checkpoints`` gets ``retention_policy`` above.
+    kv_policy: KVPolicy | Callable[[], KVPolicy] | None = None
+    # What a policy error does (it raised, or answered outside its contract): "fallback" logs
+    # it, counts it (EngineStats.kv_policy_errors) and applies the built-in decision; "raise"
+    # stops the engine with EngineDeadError caused by the KVPolicyError. Either way the refused
+    # decision never reaches the cache.
+    kv_policy_errors: str = "fallback"
 
     def __post_init__(self) -> None:
         # first: the checks below divide by it
@@ -71,6 +88,20 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.kv_cache_bytes <= 0:
             raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        policy = self.kv_policy
+        if not (
+            policy is None
+            or callable(policy)
+            or all(callable(getattr(policy, h, None)) for h in _KV_POLICY_HOOKS)
+        ):
+            raise ConfigError(
+                f"kv_policy must be a KVPolicy, a callable making one, or None: {policy!r}"
+            )
+        if self.kv_policy_errors not in _KV_POLICY_ERRORS:
+            raise ConfigError(
+                f"kv_policy_errors must be one of {_KV_POLICY_ERRORS}, "
+                f"got {self.kv_policy_errors!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,9 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     ├── RequestAbortedError    the request was aborted (by the caller or by cancellation)
     ├── EngineClosedError      a request arrived after the engine was closed
     ├── EngineDeadError        the engine loop crashed; every waiting request fails with this
+    ├── KVPolicyError          a user KV policy raised or returned an invalid decision (the
+    │                          decision is refused before the cache changes; ``__cause__``
+    │                          holds what the policy raised)
     ├── OffloadError           an offload tier cannot start (mooncake_master missing, not ready,
     │                          or asked to start outside a private network namespace)
     ├── TraceError             a benchmark trace file is invalid (names the file, the record and
@@ -42,6 +45,7 @@ __all__ = [
     "EngineClosedError",
     "EngineDeadError",
     "InvalidRequestError",
+    "KVPolicyError",
     "ModelLoadError",
     "ModelNotFoundError",
     "OffloadError",
@@ -118,6 +122,21 @@ class TurnInProgressError(SessionError):
 
 class UnknownToolCallError(SessionError, InvalidRequestError):
     """A tool result names a call id that no assistant message of this session made."""
+
+
+class KVPolicyError(AgentXError):
+    """A KV policy hook raised or returned something its contract does not allow.
+
+    ``policy`` and ``hook`` name where; the cache is unchanged by the refused decision. With
+    ``CacheConfig(kv_policy_errors="fallback")`` (the default) the engine logs it, counts it in
+    ``EngineStats.kv_policy_errors`` and applies the built-in decision instead; with "raise" it
+    propagates (from the engine loop: the engine stops with ``EngineDeadError`` caused by it).
+    """
+
+    def __init__(self, message: str, policy: str = "", hook: str = "") -> None:
+        super().__init__(message)
+        self.policy = policy
+        self.hook = hook
 
 
 class OffloadError(AgentXError):

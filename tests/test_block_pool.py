@@ -100,3 +100,45 @@ def test_hash_chain_depends_on_parent_tokens_and_salt():
     assert h != hash_block(None, [1, 2, 4])
     assert hash_block(h, [5]) != hash_block(None, [5])
     assert hash_block(None, [1, 2, 3], b"salt") != h
+
+
+def test_soft_pinned_blocks_wait_in_their_own_queue_until_nothing_else_is_free():
+    pool = BlockPool(6)  # blocks 1..5
+    a = pool.allocate_blocks(3)
+    for i, block in enumerate(a):
+        pool.cache_block(block, hash_block(None, [i]))
+    assert pool.soft_pin([pool.null_block, a[0], a[1]]) == 2  # the null block is skipped
+    assert pool.soft_pin([a[0]]) == 0  # already pinned
+    pool.free_blocks(reversed(a))
+    assert pool.free_queue.get_block_ids() == [4, 5, 3]
+    assert pool.pinned_queue.get_block_ids() == [2, 1] and pool.num_free_blocks == 5
+    pool.check_integrity()
+    pool.touch([a[0]])  # a hit revives a pinned block; freed again, it is pinned still
+    assert pool.pinned_queue.get_block_ids() == [2]
+    pool.free_blocks([a[0]])
+    assert pool.pinned_queue.get_block_ids() == [2, 1]
+    pool.demote_blocks([a[0]])  # demotion skips soft-pinned blocks
+    assert pool.pinned_queue.get_block_ids() == [2, 1]
+    got = pool.allocate_blocks(4)  # the unpinned first, then the least recent pinned
+    assert [b.block_id for b in got] == [4, 5, 3, 2]
+    assert not a[1].soft_pinned and a[1].block_hash is None  # evicted: the pin ended with it
+    pool.check_integrity()
+    pool.free_blocks(got)
+    assert pool.soft_pin([a[0]], pinned=False) == 1
+    assert pool.pinned_queue.get_block_ids() == [] and pool.free_queue.get_block_ids()[-1] == 1
+    pool.check_integrity()
+
+
+def test_dropping_or_resetting_ends_soft_pins():
+    pool = BlockPool(4)
+    a = pool.allocate_blocks(2)
+    for i, block in enumerate(a):
+        pool.cache_block(block, hash_block(None, [i]))
+    pool.soft_pin(a)
+    pool.free_blocks(a)
+    pool.drop_cached([a[0]])
+    assert pool.free_queue.get_block_ids() == [1, 3] and pool.pinned_queue.get_block_ids() == [2]
+    assert pool.reset_prefix_cache()
+    assert pool.pinned_queue.get_block_ids() == [] and pool.free_queue.get_block_ids() == [1, 3, 2]
+    assert not any(b.soft_pinned for b in pool.blocks)
+    pool.check_integrity()

@@ -23,6 +23,7 @@ import torch
 from agentx.config import EngineConfig
 from agentx.engine.draft import Drafter, DraftSource
 from agentx.engine.kv_cache import KVCacheManager
+from agentx.engine.kv_cache.policy import KVPolicy
 from agentx.engine.kv_cache.retention import make_retention
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.models.loader import load_checkpoint
@@ -89,6 +90,8 @@ class EngineCore:
             self.runner.layout,
             cache.enable_prefix_caching,
             make_retention(cache.retention_policy, cache.prefix_cache_retention_interval),
+            _make_policy(cache.kv_policy),
+            cache.kv_policy_errors,
         )
         self.scheduler = Scheduler(
             config.scheduler, self.kv, self.max_model_len, step_clock=step_clock
@@ -391,6 +394,7 @@ class EngineCore:
             kv_num_cached_blocks=len(kv.pool.cached),
             kv_usage=kv.get_usage(),
             kv_num_held=len(kv.held),
+            kv_policy_errors=kv.policy.num_errors,
             **self.offload.get_stats(),
             num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens,
@@ -412,3 +416,13 @@ def _ends_on_stop_token(delta: RequestOutput, eos_token_ids: frozenset[int]) -> 
         return True
     ids = delta.new_token_ids
     return delta.stop_reason == "grammar_budget" and bool(ids) and ids[-1] in eos_token_ids
+
+
+def _make_policy(policy: object) -> KVPolicy | None:
+    """The configured KV policy: an instance as is, a callable (a class) called once here."""
+    if policy is None or isinstance(policy, KVPolicy):
+        return policy
+    made = policy()
+    if not isinstance(made, KVPolicy):
+        raise ConfigError(f"cache.kv_policy made {made!r}, not a KVPolicy")
+    return made

@@ -3,8 +3,9 @@
 The session builds them (agentx.session.hints re-exports these records); the engine acts on
 four of them: priority orders the queue, pin and release act on held KV, and the offload manager
 uses the tool latency to demote a waiting session's blocks and prefetch them before it returns.
-``BranchPoint`` and ``TurnsLeft`` are advisory: they travel with the request (a backend or a
-policy may read them) but nothing in this engine acts on them yet.
+``BranchPoint`` and ``TurnsLeft`` are advisory: they travel with the request (a backend may
+read them; a KV policy gets every hint of a finished turn in ``TurnEnd.hints``) but no built-in
+behaviour acts on them yet.
 """
 
 from __future__ import annotations

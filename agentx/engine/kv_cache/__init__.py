@@ -4,6 +4,17 @@ from agentx.engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes, hash_block
 from agentx.engine.kv_cache.held import BlockCopy, HeldKV, HeldKVManager
 from agentx.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from agentx.engine.kv_cache.policy import (
+    CheckpointPlan,
+    HeldCandidate,
+    KVPolicy,
+    LRUPolicy,
+    ToolWait,
+    ToolWaitDecision,
+    TurnEnd,
+    TurnEndDecision,
+)
+from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
 from agentx.engine.kv_cache.specs import (
     AttentionSpec,
     FullAttentionSpec,
@@ -19,8 +30,10 @@ __all__ = [
     "BlockCopy",
     "BlockHash",
     "BlockPool",
+    "CheckpointPlan",
     "FreeBlockQueue",
     "FullAttentionSpec",
+    "HeldCandidate",
     "HeldKV",
     "HeldKVManager",
     "KVBlock",
@@ -29,9 +42,16 @@ __all__ = [
     "KVCacheLayout",
     "KVCacheManager",
     "KVCacheSpec",
+    "KVPolicy",
+    "KVPolicyGuard",
+    "LRUPolicy",
     "LinearStateSpec",
     "PrefixCacheStats",
     "SlidingWindowSpec",
+    "ToolWait",
+    "ToolWaitDecision",
+    "TurnEnd",
+    "TurnEndDecision",
     "extend_block_hashes",
     "hash_block",
 ]

@@ -5,8 +5,12 @@ or tensors. Layout of the free queue (intrusive doubly-linked list, O(1) everywh
 
     head -> [never cached / dead blocks ...][cached blocks, least recently freed first] <- tail
             reused first                     evicted (hash dropped) only when popped
+    pinned: [soft-pinned cached blocks, least recently freed first]
+            popped only when the queue above is empty
 
-A block with ``ref_cnt == 0`` is in the free queue; one with ``ref_cnt > 0`` is not. A block that
+A block with ``ref_cnt == 0`` is in one of the two free queues; one with ``ref_cnt > 0`` is in
+neither. A soft pin (a KV policy's decision, ``soft_pin``) is a property of cached content: it
+ends when the block's hash is dropped. A block that
 holds cached content keeps its hash while free, so a later request can revive it with ``touch``.
 Block 0 is the null block: never allocated, used as padding in block tables.
 """
@@ -27,6 +31,7 @@ class KVBlock:
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
     is_null: bool = False
+    soft_pinned: bool = False
 
 
 class FreeBlockQueue:
@@ -91,6 +96,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.null_block.ref_cnt = 1  # permanently held so it never enters the free queue
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.pinned_queue = FreeBlockQueue(())  # free soft-pinned cached blocks
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
         # blocks published since the last take_published(), for the offload tiers (None: off)
@@ -98,7 +104,10 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
+        return self.free_queue.num_free_blocks + self.pinned_queue.num_free_blocks
+
+    def _queue(self, block: KVBlock) -> FreeBlockQueue:
+        return self.pinned_queue if block.soft_pinned else self.free_queue
 
     def get_usage(self) -> float:
         """Fraction of allocatable blocks held by a request (cached free blocks count as free)."""
@@ -114,7 +123,8 @@ class BlockPool:
             raise ValueError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+            queue = self.free_queue if self.free_queue.num_free_blocks else self.pinned_queue
+            block = queue.popleft()
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -126,7 +136,7 @@ class BlockPool:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                self._queue(block).remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock], front: bool = False) -> None:
@@ -141,7 +151,9 @@ class BlockPool:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None or front:
+                if block.soft_pinned:
+                    self.pinned_queue.append(block)
+                elif block.block_hash is None or front:
                     self.free_queue.appendleft(block)
                 else:
                     self.free_queue.append(block)
@@ -168,15 +180,16 @@ class BlockPool:
         """Forget the cached content of free blocks and queue them to be reused first."""
         for block in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None:
+                self._queue(block).remove(block)
                 self._evict(block)
-                self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
 
     def demote_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Free cached blocks to be reused before other cached ones (a lower tier keeps their
-        content); given prefix first, so the tail is evicted first. Held blocks are skipped."""
+        content); given prefix first, so the tail is evicted first. Held and soft-pinned
+        blocks are skipped."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0 and not block.is_null and not block.soft_pinned:
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
 
@@ -185,12 +198,30 @@ class BlockPool:
         for block in blocks:
             if block.block_hash is None:
                 continue
+            queue = self._queue(block)
             self._evict(block)
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                queue.remove(block)
                 self.free_queue.appendleft(block)
 
+    def soft_pin(self, blocks: Iterable[KVBlock], pinned: bool = True) -> int:
+        """Mark cached blocks to be evicted last (``pinned``) or like any other; blocks without
+        cached content are skipped (nothing to keep). Returns the blocks whose mark changed."""
+        num = 0
+        for block in blocks:
+            if block.is_null or block.block_hash is None or block.soft_pinned == pinned:
+                continue
+            if block.ref_cnt == 0:
+                self._queue(block).remove(block)
+            block.soft_pinned = pinned
+            if block.ref_cnt == 0:
+                self._queue(block).append(block)
+            num += 1
+        return num
+
     def _evict(self, block: KVBlock) -> None:
+        """Drop the block's cached content (and its soft pin); the caller requeues it."""
+        block.soft_pinned = False
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
@@ -202,14 +233,24 @@ class BlockPool:
         """Forget every cached block; refused (False) while any block is in use."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
+        for block in list(self.pinned_queue):
+            self.pinned_queue.remove(block)
+            self.free_queue.append(block)
         for block in self.blocks[1:]:
             block.block_hash = None
+            block.soft_pinned = False
         self.cached.clear()
         return True
 
     def check_integrity(self) -> None:
-        free = list(self.free_queue)
+        free = list(self.free_queue) + list(self.pinned_queue)
         assert len(free) == self.num_free_blocks, "free count drifted from the queue"
+        assert all(b.soft_pinned for b in self.pinned_queue), "an unpinned block in pinned queue"
+        assert not any(b.soft_pinned for b in self.free_queue), "a pinned block in the free queue"
+        for block in self.blocks:
+            assert not block.soft_pinned or block.block_hash is not None, (
+                f"block {block.block_id} is soft-pinned without cached content"
+            )
         free_ids = {b.block_id for b in free}
         assert len(free_ids) == len(free), "a block is twice in the free queue"
         assert 0 not in free_ids, "the null block is in the free queue"

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.kv_cache.linear_state import LinearStateManager  # registers its spec
+from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
 from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.single_type import SingleTypeKVManager, make_manager
 from agentx.engine.kv_cache.specs import KVCacheLayout
@@ -27,7 +28,7 @@ class KVCacheCoordinator:
         self,
         layout: KVCacheLayout,
         enable_caching: bool,
-        retention: RetentionPolicy | None = None,
+        retention: KVPolicyGuard | RetentionPolicy | None = None,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size

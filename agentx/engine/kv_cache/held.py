@@ -11,8 +11,9 @@ The prefix cache shares full blocks only; the last, partial block of a turn woul
 by the next one. Held KV keeps every block of a finished turn (partial tail included), so the
 next turn of the same conversation resumes exactly where the last one stopped. Forking copies
 only the partial tail block (copy-on-write); full blocks are shared by reference. Unpinned held
-KV is a cache, not a reservation: under memory pressure it is released, oldest first, and the
-next turn falls back to the prefix cache.
+KV is a cache, not a reservation: under memory pressure it is released (in the KV policy's
+order; by default the session expected back last, then the oldest, first) and the next turn
+falls back to the prefix cache.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks
+from agentx.engine.kv_cache.policy import HeldCandidate, default_eviction_order
+from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
 
 
 @dataclass(slots=True, eq=False)
@@ -49,9 +52,12 @@ class BlockCopy:
 class HeldKVManager:
     """Handles -> held KV, drawing on the shared pool. Callers hold the engine step."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, policy: KVPolicyGuard | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.policy = policy  # orders reclaim (None: the built-in order)
         self._held: dict[str, HeldKV] = {}
         self._clock = 0
         # handle -> when its session is expected back (a tool latency hint): under pressure,
@@ -128,17 +134,38 @@ class HeldKVManager:
             self.add(new, src.token_ids, tuple(blocks), src.cache_salt)
         return copies
 
+    def get_candidates(self, keep: str | None = None) -> list[HeldCandidate]:
+        """Unpinned held KV but ``keep``, as the KV policy sees it (no side effects)."""
+        return [
+            HeldCandidate(
+                h.handle,
+                h.num_tokens,
+                sum(1 for g in h.blocks for b in g if not b.is_null),
+                h.last_used,
+                self.expected_return.get(h.handle),
+            )
+            for h in self._held.values()
+            if not h.pinned and h.handle != keep
+        ]
+
     def reclaim(self, num_blocks: int, keep: str | None = None) -> None:
-        """Release unpinned held KV, least recently used first, until ``num_blocks`` are
-        free (or none is left to release). ``keep`` is spared: a request is adopting it."""
-        victims = sorted(
-            (h for h in self._held.values() if not h.pinned and h.handle != keep),
-            key=lambda h: (-self.expected_return.get(h.handle, 0.0), h.last_used),
-        )
-        for held in victims:
+        """Release unpinned held KV, in the policy's order, until ``num_blocks`` are free (or
+        none is left to release). ``keep`` is spared: a request is adopting it. The order is
+        chosen (and validated) before anything is released."""
+        if self.pool.num_free_blocks >= num_blocks:
+            return
+        candidates = self.get_candidates(keep)
+        if not candidates:
+            return
+        deficit = num_blocks - self.pool.num_free_blocks
+        if self.policy is not None:
+            order = self.policy.choose_evictions(candidates, deficit)
+        else:
+            order = default_eviction_order(candidates)
+        for handle in order:
             if self.pool.num_free_blocks >= num_blocks:
                 return
-            self.release(held.handle)
+            self.release(handle)
 
     def iter_blocks(self) -> Iterator[KVBlock]:
         for held in self._held.values():

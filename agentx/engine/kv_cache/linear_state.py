@@ -10,9 +10,10 @@ except the last entry, which holds the running state after every computed token:
 
 A step over tokens n..n' reads the running page, writes a checkpoint into every page it crosses
 and the running state into the last one. Which boundaries get a page is the retention policy's
-plan. Checkpoints are published to the prefix cache once computed and then released: they stay
-hittable in the pool's LRU until evicted, while the request keeps only its running page. A hit
-needs a checkpoint exactly at the hit point.
+plan (the KV policy's ``plan_checkpoints``, validated by its guard). Checkpoints are published
+to the prefix cache once computed and then released: they stay hittable in the pool's LRU until
+evicted, while the request keeps only its running page. A hit needs a checkpoint exactly at the
+hit point.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from collections.abc import Sequence
 
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.hashing import BlockHash
-from agentx.engine.kv_cache.retention import CheckpointPlan, IntervalRetention, RetentionPolicy
+from agentx.engine.kv_cache.policy import CheckpointPlan
+from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
+from agentx.engine.kv_cache.retention import IntervalRetention, RetentionPolicy
 from agentx.engine.kv_cache.single_type import (
     SingleTypeKVManager,
     _num_revived,
@@ -37,7 +40,7 @@ class LinearStateManager(SingleTypeKVManager):
         spec: KVCacheSpec,
         pool: BlockPool,
         group_id: int,
-        retention: RetentionPolicy | None = None,
+        retention: KVPolicyGuard | RetentionPolicy | None = None,
     ) -> None:
         super().__init__(spec, pool, group_id)
         self.retention = retention if retention is not None else IntervalRetention(0)
@@ -60,7 +63,8 @@ class LinearStateManager(SingleTypeKVManager):
     def _plan(self, request: Request) -> CheckpointPlan:
         plan = self.plans.get(request.request_id)
         if plan is None:
-            plan = self.plans[request.request_id] = self.retention.plan(request, self.block_size)
+            plan = self.retention.plan_checkpoints(request, self.block_size)
+            self.plans[request.request_id] = plan
         return plan
 
     def _wanted(self, plan: CheckpointPlan, index: int, num_tokens: int) -> bool:

@@ -8,9 +8,13 @@ prefix-cache statistics. It does not know how requests are ordered or what the m
     free(request)                         -> every block back to the pool (cached content kept)
     trim_slots(request)                   -> blocks past its computed tokens back (rejected drafts)
     hold(request)                         -> keep a finished request's blocks for the next turn
+    finish_turn(request, hold)            -> hold or free a completed turn, as the KV policy says
 
 A prefix hit comes from the prefix cache (full blocks, by hash) or, when the request names
 held KV in ``held_kv``, from that held KV (every block, the partial tail too); the longer wins.
+
+Every KV policy decision (policy.py) reaches the cache through ``self.policy``, the guard that
+validates it before anything here applies it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
 from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.kv_cache.held import BlockCopy, HeldKV, HeldKVManager
-from agentx.engine.kv_cache.retention import RetentionPolicy
+from agentx.engine.kv_cache.policy import KVPolicy, TurnEnd
+from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
+from agentx.engine.kv_cache.retention import IntervalRetention, RetentionPolicy
 from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
 
@@ -54,13 +60,22 @@ class KVCacheManager:
         layout: KVCacheLayout,
         enable_caching: bool = True,
         retention: RetentionPolicy | None = None,
+        policy: KVPolicy | None = None,
+        policy_errors: str = "fallback",
     ) -> None:
+        """``policy`` makes the KV decisions (None: ``retention``, whose other hooks are the
+        built-in ones); ``retention`` also plans checkpoints where the policy defers or fails
+        (None: the rolling latest boundary). ``policy_errors``: see ``KVPolicyGuard``."""
         self.layout = layout
         self.block_size = layout.block_size
         self.enable_caching = enable_caching
-        self.coordinator = KVCacheCoordinator(layout, enable_caching, retention)
+        fallback = retention if retention is not None else IntervalRetention(0)
+        self.policy = KVPolicyGuard(
+            policy if policy is not None else fallback, fallback, policy_errors
+        )
+        self.coordinator = KVCacheCoordinator(layout, enable_caching, self.policy)
         self.pool = self.coordinator.pool
-        self.held = HeldKVManager(self.pool, self.block_size)
+        self.held = HeldKVManager(self.pool, self.block_size, self.policy)
         self.stats = PrefixCacheStats()
 
     @property
@@ -171,6 +186,37 @@ class KVCacheManager:
         blocks = self.coordinator.take(request.request_id)
         tokens = request.all_token_ids[: request.num_computed_tokens]
         self.held.add(request.request_id, tokens, blocks, request.cache_salt)
+
+    def finish_turn(self, request: Request, hold: bool) -> None:
+        """A completed turn: ask the policy (``on_turn_end``), then hold or free its KV and
+        apply the validated decision: soft-pin its first full blocks, demote the rest (a held
+        turn is then released to the prefix cache)."""
+        rid, num_computed = request.request_id, request.num_computed_tokens
+        num_full = min(num_computed // self.block_size, len(request.block_hashes))
+        turn = TurnEnd(
+            rid,
+            num_computed,
+            request.num_prompt_tokens,
+            num_full,
+            self.block_size,
+            tuple(request.block_hashes[:num_full]),
+            hold,
+            tuple(request.hints),
+        )
+        decision = self.policy.on_turn_end(turn)
+        n = decision.soft_pin_blocks
+        groups = self.coordinator.get_blocks(rid)
+        pinned = [b for g in groups for b in reversed(g[:n])]  # the prefix is evicted last
+        rest = [b for g in groups for b in g[n:num_full]]
+        if hold:
+            self.hold(request)
+        else:
+            self.free(request)
+        self.pool.soft_pin(pinned)
+        if decision.demote:
+            if hold:
+                self.held.release(rid)
+            self.pool.demote_blocks(rest)
 
     def fork_held(self, handle: str, new_handles: list[str]) -> list[BlockCopy] | None:
         """Copy-on-write forks of held KV; the caller runs the returned block copies

@@ -11,31 +11,23 @@ tier (device now; the offload tiers reuse them).
                            request already had (a shared prefix is checkpointed the second time
                            it is seen), plus the rolling latest boundary (the next turn's start)
     NoRetention            nothing beyond the running state (the baseline: no hits)
+
+Each is a :class:`~agentx.engine.kv_cache.policy.KVPolicy` that overrides only
+``plan_checkpoints``: its other hooks are the built-in defaults, and a custom policy can
+subclass one to keep its retention and change the rest.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.kv_cache.policy import CheckpointPlan, KVPolicy
 from agentx.engine.request import Request
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointPlan:
-    """The boundaries (token counts, multiples of the block size) to checkpoint for a request."""
-
-    fixed: frozenset[int] = frozenset()
-    every: int = 0  # also every multiple of this many tokens (0: none)
-    rolling: bool = False  # also the latest boundary reached, replacing the previous one
-
-    def keeps(self, boundary: int) -> bool:
-        return boundary in self.fixed or (self.every > 0 and boundary % self.every == 0)
-
-
-class RetentionPolicy(ABC):
+class RetentionPolicy(KVPolicy):
     """Plans a request's checkpoints when it is first given blocks.
 
     ``plan`` may update the policy's own memory of what it has seen (it is called once per
@@ -46,6 +38,9 @@ class RetentionPolicy(ABC):
 
     @abstractmethod
     def plan(self, request: Request, block_size: int) -> CheckpointPlan: ...
+
+    def plan_checkpoints(self, request: Request, block_size: int) -> CheckpointPlan:
+        return self.plan(request, block_size)
 
 
 class NoRetention(RetentionPolicy):
@@ -107,3 +102,13 @@ def make_retention(name: str, interval: int = 0) -> RetentionPolicy:
     if name not in policies:
         raise ValueError(f"unknown retention policy {name!r}; choose one of {sorted(policies)}")
     return policies[name]()
+
+
+__all__ = [
+    "CheckpointPlan",
+    "IntervalRetention",
+    "MarconiRetention",
+    "NoRetention",
+    "RetentionPolicy",
+    "make_retention",
+]

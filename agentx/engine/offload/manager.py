@@ -7,6 +7,7 @@
               extends, and it goes back in line: it neither recomputes them nor stalls anyone
     hints     a held session with a tool latency is released first under pressure (its blocks
               live on in the tiers) and prefetched back ``prefetch_margin_s`` before it returns
+              (the KV policy's ``on_tool_wait`` decides both; those are its defaults)
     migrate   ``export`` names held KV's blocks in the shared tiers; ``import_`` loads
               them into another engine as held KV
 
@@ -27,6 +28,7 @@ from agentx.config import OffloadConfig
 from agentx.engine.hints import ToolLatency
 from agentx.engine.kv_cache import KVBlock, KVCacheManager
 from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.kv_cache.policy import ToolWait
 from agentx.engine.offload.interface import KVExport, Offload
 from agentx.engine.offload.mooncake_master import MooncakeMaster
 from agentx.engine.offload.tiered import TieredStore
@@ -65,7 +67,7 @@ class OffloadCounters:
 
 @dataclass(slots=True)
 class _ToolWait:
-    return_at: float
+    prefetch_at: float  # when to start loading it back (the policy chose it)
     token_ids: list[int]
     block_hashes: list[BlockHash]
     handle: str | None  # the held KV to rebuild; None: back into the device cache
@@ -206,29 +208,39 @@ class OffloadManager(Offload):
             self._on_tool_wait(rid, seconds, request)
 
     def _on_tool_wait(self, rid: str, seconds: float, request: Request) -> None:
-        """A finished turn whose session now waits ``seconds`` on a tool: its device blocks are
-        demoted (released first under pressure; the tiers keep them) and prefetched back
-        ``prefetch_margin_s`` before the tool returns."""
-        return_at = self.clock() + seconds
+        """A finished turn whose session now waits ``seconds`` on a tool: the KV policy decides
+        whether its device blocks are demoted (released first under pressure; the tiers keep
+        them) and when they are prefetched back (default: ``prefetch_margin_s`` before the
+        tool returns)."""
+        now = self.clock()
         held = self.kv.get_held(rid)
-        if held is not None:  # a held turn: released first, reloaded under the same handle
-            num_full = held.num_tokens // self.block_size
-            hashes = request.block_hashes[:num_full]
-            self.tool_waits[rid] = _ToolWait(
-                return_at, held.token_ids[:], hashes, rid, request.cache_salt
-            )
-            self.kv.expect_return(rid, return_at)
-            return
-        num_full = request.num_computed_tokens // self.block_size
+        num_tokens = held.num_tokens if held is not None else request.num_computed_tokens
+        num_full = num_tokens // self.block_size
+        wait = ToolWait(
+            rid, seconds, num_tokens, num_full, held is not None, self.config.prefetch_margin_s
+        )
+        decision = self.kv.policy.on_tool_wait(wait)
         hashes = request.block_hashes[:num_full]
-        self.kv.demote_cached(hashes)
-        tokens = request.all_token_ids[: num_full * self.block_size]
-        self.tool_waits[f"prefetch:{rid}"] = _ToolWait(return_at, tokens, hashes, None)
+        if held is not None:  # a held turn: released first, reloaded under the same handle
+            if decision.demote:
+                self.kv.expect_return(rid, now + seconds)
+            if decision.prefetch_in_s is not None:
+                self.tool_waits[rid] = _ToolWait(
+                    now + decision.prefetch_in_s, held.token_ids[:], hashes, rid, request.cache_salt
+                )
+            return
+        if decision.demote:
+            self.kv.demote_cached(hashes)
+        if decision.prefetch_in_s is not None:
+            tokens = request.all_token_ids[: num_full * self.block_size]
+            self.tool_waits[f"prefetch:{rid}"] = _ToolWait(
+                now + decision.prefetch_in_s, tokens, hashes, None
+            )
 
     def _prefetch_due(self) -> None:
         now = self.clock()
         for handle, wait in list(self.tool_waits.items()):
-            if now < wait.return_at - self.config.prefetch_margin_s:
+            if now < wait.prefetch_at:
                 continue
             del self.tool_waits[handle]
             if wait.handle is not None and self.kv.get_held(wait.handle) is not None:

@@ -476,8 +476,8 @@ class Scheduler:
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
         )
-        if request.hold_kv and completed:
-            self.kv.hold(request)
+        if completed:  # a turn's end: the KV policy decides what stays
+            self.kv.finish_turn(request, hold=request.hold_kv)
         else:
             self.kv.free(request)
         self._kept_blocks.pop(request.request_id, None)

@@ -201,6 +201,37 @@ def test_prefill_rows_equal_the_same_rows_alone(dtype):
         assert torch.equal(alone[0], got[r])
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,window", [(8, None), (32, None), (128, None), (8, 37)])
+def test_chunks_across_blocks_equal_rows_alone(dtype, block_size, window):
+    # The softmax folds 64-key chunks: with 8-token blocks a chunk is 8 segments in shuffled
+    # blocks, with 128-token blocks a chunk is a block; a window starts a row's keys mid-chunk.
+    # A 70-row chunk at context 700 (two 512-key splits, tiles of 8 rows) equals the reference,
+    # and each row equals the same row alone, bit for bit, whatever the thread count.
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks = 2 + -(-700 // block_size)
+    cache = _random_cache(num_blocks, block_size, 3, 64, dtype, 0, gen)
+    table = (torch.randperm(num_blocks - 1, generator=gen)[: num_blocks - 2] + 1).view(1, -1)
+    q = torch.randn(70, 9, 64, generator=gen)
+    no_decodes = torch.tensor([], dtype=torch.long)
+    chunk = (q, cache, [0, 70], [700], table, no_decodes, [0], 0.125, window)
+    got = cpu.paged_attention(*chunk)
+    want = ref_attention.paged_attention(q, cache.float(), *chunk[2:])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu.paged_attention(*chunk), got)
+    finally:
+        torch.set_num_threads(threads)
+    for r in (0, 5, 63, 64, 69):
+        alone = cpu.paged_attention(
+            q[r : r + 1], cache, [0, 1], [631 + r], table, torch.tensor([0]), [], 0.125, window
+        )
+        assert torch.equal(alone[0], got[r])
+
+
 @pytest.mark.slow
 def test_gguf_quantized_tensors_are_exact():
     from gguf import GGMLQuantizationType, GGUFReader

@@ -133,6 +133,10 @@ class SchedulerConfig:
     # (subagents forked together) is then prefilled in one step and decodes at full speed,
     # instead of trickling in one per step with every step held at the target. 0: off.
     short_turn_tokens: int = 0
+    # Drafts (SpeculativeConfig) are verified only in steps where every request's tokens
+    # fit: while a turn waits or a prefill is chunked, the step's compute goes to it instead
+    # of to guesses (a draft is free only where the step is bound by reading weights).
+    drafts_yield_to_prefill: bool = False
     # First-turn lanes (engine/scheduler/lanes.py): a request admitted with more than this many
     # tokens left to compute after its prefix hit is a cold first turn; while it runs beside
     # warm turns it gets cold_prefill_share of each step's chunk tokens (kept for it, and no

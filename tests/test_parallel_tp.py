@@ -8,11 +8,11 @@ Why chosen prompts, not every prompt: at tp=1 SmolLM2's layers run as one fused 
 in place), which a tensor-parallel rank cannot (its o_proj and down_proj all-reduce between the
 projections); tp=2 runs the same quantized kernels op by op, and sums the two ranks' partial
 o_proj / down_proj outputs, so float additions happen in another order. On near-ties greedy then
-picks differently: of 8 prompts behind a 72-token prefix, 4 keep all 24 tokens, 4 differ (at
-tokens 0, 2, 8, 8); on "def fibonacci(n):\n" tp=1 forced op by op picks what tp=2 picks. With
-the reference kernels (``AGENTX_KERNELS=ref``: no fused path at tp=1) all 8 match. Bit-exact
-tensor parallelism would need the fused layer's float order across ranks (docs/BENCHMARKS.md,
-"Parallel backends").
+picks differently: of 12 prompts behind a 72-token prefix, 7 keep all 24 tokens and 5 differ (at
+tokens 2, 7, 8, 13 and 14; measured 2026-12-03 with the 64-key attention chunks). With the
+reference kernels (``AGENTX_KERNELS=ref``: no fused path at tp=1) the earlier 8 all matched.
+Bit-exact tensor parallelism would need the fused layer's float order across ranks
+(docs/BENCHMARKS.md, "Parallel backends").
 """
 
 import multiprocessing
@@ -38,7 +38,7 @@ from agentx.engine.parallel import HeadShard, ParallelState
 
 NUM_BLOCKS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-PROMPTS = ["The capital of France is", "The three primary colors are", "import numpy as np\n"]
+PROMPTS = ["The quick brown fox", "My favourite food is", "import numpy as np\n"]
 
 
 def _config(tp: int, **kw) -> EngineConfig:
@@ -83,7 +83,7 @@ def test_tp2_greedy_equals_tp1(engines):
 
 def test_tp2_under_preemption(engines):
     tp1, tp2 = engines
-    prompts = _long_prompts(tp1, [*PROMPTS, "Paris is the capital of"])
+    prompts = _long_prompts(tp1, [*PROMPTS, "Once upon a time"])
     want = [g.token_ids for g in tp1.generate(prompts, GREEDY)]
     before = tp2.stats().num_preemptions
     got = [g.token_ids for g in tp2.generate(prompts, GREEDY)]

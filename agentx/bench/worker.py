@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a SchedulerConfig field (int or float), e.g. short_turn_tokens=256; repeatable",
+        help="a SchedulerConfig field (int, float, true/false), e.g. short_turn_tokens=256",
     )
     p.add_argument(
         "--speculative",
@@ -176,13 +176,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _scheduler_options(items: list[str]) -> dict:
-    """``NAME=VALUE`` pairs as SchedulerConfig keyword arguments (ints stay ints)."""
+    """``NAME=VALUE`` pairs as SchedulerConfig keyword arguments (ints stay ints, true /
+    false are booleans)."""
     options = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--scheduler takes NAME=VALUE, got {item!r}")
-        options[name] = float(value) if "." in value else int(value)
+        if value.lower() in ("true", "false"):
+            options[name] = value.lower() == "true"
+        else:
+            options[name] = float(value) if "." in value else int(value)
     return options
 
 

@@ -206,7 +206,8 @@ class Scheduler:
         budget.num_chunk_tokens += reserved
         if lanes is not None:
             self._schedule_cold_lane(cold, admit, budget, scheduled)
-        self._add_drafts(budget, scheduled)
+        if not (self.config.drafts_yield_to_prefill and self._prompt_left_wanting(scheduled)):
+            self._add_drafts(budget, scheduled)
 
         output = self._build_output(scheduled)
         self._step_started = None if output.is_empty else self.clock()
@@ -256,6 +257,17 @@ class Scheduler:
         if admit and not preempted_any:
             self._admit_waiting(budget, scheduled, True)
         budget.num_chunk_tokens = left - (before - budget.num_chunk_tokens)
+
+    def _prompt_left_wanting(self, scheduled: dict[str, _Scheduled]) -> bool:
+        """Some request's tokens did not all fit this step: a turn still waiting, or a running
+        request (a prefill chunk) clipped."""
+        if self.waiting:
+            return True
+        for request in self.running:
+            item = scheduled.get(request.request_id)
+            if (item.num_new if item else 0) < request.num_tokens - request.num_computed_tokens:
+                return True
+        return False
 
     def _warm_left_wanting(self, scheduled: dict[str, _Scheduled]) -> bool:
         for request in self.running:

@@ -412,10 +412,12 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
       }
       wsegs[0] = {wide.data(), wide.data() + wide_v, end - start};
     }
-    for (int64_t r = 0; r < tile_rows; ++r) {
-      const int64_t count = std::min(end, ends[r]) - start;
-      if (count <= 0) continue;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
+    // KV head outer, rows inner: one head's K and V of the chunk (2 x 16 KB widened at head
+    // dim 64) stay in L1 for the tile's rows; all heads' (48 KB and more) would not
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t r = 0; r < tile_rows; ++r) {
+        const int64_t count = std::min(end, ends[r]) - start;
+        if (count <= 0) continue;
         const float* qh = q + r * q_row_stride + h * group * D;
         State* st = states + r * heads + h * group;
         if (widened) {

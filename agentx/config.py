@@ -282,6 +282,15 @@ class ParallelConfig:
     ``p % dcp == d``; TP all-reduces run in the tp group of one d, the DCP attention merge in
     the dcp group of one t (``engine/parallel/worker.py``, ``rank_state``). DCP needs
     ``cache.block_size`` divisible by ``dcp`` and a full-attention model.
+
+    ``pcp`` runs on the dcp ranks (``pcp == dcp``, ``tp == 1``; refused otherwise), so the KV
+    layout is DCP's and a decode step runs as DCP. In a step, each request with at least
+    ``2 * pcp`` new tokens is cut into ``2 * pcp`` zig-zag pieces, rank r computing pieces r and
+    ``2 * pcp - 1 - r`` (embedding, projections, MLP, norms on its rows only); each attention
+    layer all-gathers the step's q / k / v, writes this rank's DCP positions and attends every
+    query over this rank's keys (the DCP merge), and the final hidden states are gathered for
+    the LM head (``engine/parallel/prefill_split.py``). Greedy tokens are those of ``dcp`` alone
+    (same attention, same per-row ops); docs/BENCHMARKS.md has the prefill time.
     """
 
     tp: int = 1
@@ -300,20 +309,19 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.backend must be one of {_PARALLEL_BACKENDS}, got {self.backend!r}"
             )
-        for name in _NOT_BUILT:
-            if getattr(self, name) > 1:
-                raise ConfigError(f"parallel.{name} > 1 is not built yet (issue 12)")
         if self.ep > 1 and self.tp * self.dcp * self.pcp > 1:
             raise ConfigError("parallel.ep combines with no other degree yet (tp, dcp, pcp = 1)")
+        if self.pcp > 1 and (self.dcp != self.pcp or self.tp > 1):
+            raise ConfigError(
+                f"parallel.pcp={self.pcp} runs on the dcp ranks: it needs dcp == pcp and tp == 1 "
+                f"(got dcp={self.dcp}, tp={self.tp})"
+            )
 
     @property
     def world_size(self) -> int:
-        """Model ranks of one replica: one worker process each when more than one."""
-        return self.tp * self.dcp * self.pcp * self.ep
-
-
-# degrees whose code has not landed yet: refused when the config is built, never ignored
-_NOT_BUILT = ("pcp",)
+        """Model ranks of one replica: one worker process each when more than one (pcp
+        shares the dcp ranks)."""
+        return self.tp * self.dcp * self.ep
 
 
 @dataclass(frozen=True, slots=True)

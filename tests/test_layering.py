@@ -53,6 +53,12 @@ FORBIDDEN = {
         "agentx.engine.core",
         "agentx.engine.client",
     ],
+    "agentx.engine.parallel.prefill_split": [
+        "agentx.engine.models",
+        "agentx.engine.runner",
+        "agentx.engine.core",
+        "agentx.engine.client",
+    ],
     # the vLLM backend sits beside agentx's engine: it shares records, never the engine itself
     "agentx.engine.vllm": [
         "agentx.engine.client",

@@ -14,6 +14,12 @@ Each rank writes its own tokens, attends over them with their log-sum-exp, and t
 merge exactly (``kernels/ref/attention_partial.py``); every rank ends with the whole output.
 Under TP x DCP the merge runs in the dcp group of this rank's TP head shard: its ranks hold the
 same heads, so the parts are (T, this shard's heads, D) on each.
+
+Under prefill context parallel (``parallel.pcp_size = N``, the dcp ranks) a rank arrives with
+only its rows of a long prefill (``parallel/prefill_split.py``): it gathers the step's q, k and
+v from the group, runs the DCP path above over every row (its KV share written, every query
+attended over its keys, the parts merged), and keeps its own rows. The attention is the DCP
+attention bit for bit; the saving is in what runs around it (projections, MLP) on 1/N rows.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch import nn
 
 from agentx import kernels
 from agentx.engine.models.forward_context import get_forward_context
-from agentx.engine.parallel import SINGLE, ParallelState
+from agentx.engine.parallel import SINGLE, ParallelState, PrefillSplit
 
 
 class PagedAttention(nn.Module):
@@ -51,6 +57,8 @@ class PagedAttention(nn.Module):
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_id]
         meta = ctx.attn_for(self.layer_id)
+        if ctx.pcp is not None:
+            return self._forward_pcp(q, k, v, kv_cache, meta, ctx.pcp)
         if self.parallel.dcp_size > 1:
             return self._forward_dcp(q, k, v, kv_cache, meta)
         kernels.write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -68,6 +76,15 @@ class PagedAttention(nn.Module):
             token_len=meta.token_len,
             **meta.kernel_options(),
         )
+
+    def _forward_pcp(self, q, k, v, kv_cache, meta, split: PrefillSplit) -> torch.Tensor:
+        """q (T_rank, H, D), k and v (T_rank, Hkv, D) of this rank's rows -> (T_rank, H, D):
+        one gather of the step's q / k / v, then DCP attention over every row."""
+        num_q, num_kv = q.shape[1], k.shape[1]
+        qkv = split.gather(torch.cat([q, k, v], dim=1))  # (T, H + 2 Hkv, D)
+        q, k, v = qkv.split([num_q, num_kv, num_kv], dim=1)
+        out = self._forward_dcp(q, k.contiguous(), v.contiguous(), kv_cache, meta)  # (T, H, D)
+        return out[split.own.to(out.device)]
 
     def _forward_dcp(self, q, k, v, kv_cache, meta) -> torch.Tensor:
         num_ranks, rank = self.parallel.dcp_size, self.parallel.dcp_rank

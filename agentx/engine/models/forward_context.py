@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from agentx.engine.parallel.prefill_split import PrefillSplit
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -81,6 +83,8 @@ class ForwardContext:
     layer_groups: tuple[int, ...]  # layer id -> KV group
     kv_caches: list[Any]
     linear: tuple[LinearStateMetadata | None, ...] = ()  # per KV group (None for attention)
+    # prefill context parallel: this rank's rows of the step (None: every rank runs every row)
+    pcp: PrefillSplit | None = None
 
     def attn_for(self, layer_id: int) -> AttentionMetadata:
         meta = self.attn[self.layer_groups[layer_id]]

@@ -35,6 +35,9 @@ class ParallelState:
     dcp_rank: int = 0
     dcp_size: int = 1
     dcp_group: Any = None
+    # prefill context parallel over the same ranks as dcp (1 or dcp_size): a long prefill's
+    # rows are split over the dcp group (prefill_split.py), the KV layout stays DCP's
+    pcp_size: int = 1
     # expert parallel: this rank holds the routed experts of expert_shard(); the rest replicated
     ep_rank: int = 0
     ep_size: int = 1
@@ -45,6 +48,8 @@ class ParallelState:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         if not 0 <= self.dcp_rank < self.dcp_size:
             raise ValueError(f"dcp_rank {self.dcp_rank} outside dcp_size {self.dcp_size}")
+        if self.pcp_size not in (1, self.dcp_size):
+            raise ValueError(f"pcp_size {self.pcp_size} must be 1 or dcp_size {self.dcp_size}")
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank {self.ep_rank} outside ep_size {self.ep_size}")
 

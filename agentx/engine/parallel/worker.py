@@ -101,6 +101,9 @@ class RankRunner:
     def get_request_ids(self) -> set[str]:
         return self.runner.get_request_ids()
 
+    def get_num_rows_run(self) -> int:
+        return self.runner.num_rows_run
+
     def ping(self) -> int:
         return os.getpid()
 
@@ -160,7 +163,15 @@ def rank_state(config: EngineConfig, rank: int) -> ParallelState:
     dcp_rank, tp_rank = divmod(rank, tp)
     tp_groups = [_new_group([d * tp + t for t in range(tp)]) for d in range(dcp)]
     dcp_groups = [_new_group([d * tp + t for d in range(dcp)]) for t in range(tp)]
-    return ParallelState(tp_rank, tp, tp_groups[dcp_rank], dcp_rank, dcp, dcp_groups[tp_rank])
+    return ParallelState(
+        tp_rank,
+        tp,
+        tp_groups[dcp_rank],
+        dcp_rank,
+        dcp,
+        dcp_groups[tp_rank],
+        pcp_size=config.parallel.pcp,  # the dcp ranks, split along a prefill's rows
+    )
 
 
 def _new_group(ranks: list[int]) -> Any:

@@ -27,7 +27,7 @@ from agentx.engine.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from agentx.engine.parallel import SINGLE, ParallelState
+from agentx.engine.parallel import SINGLE, ParallelState, PrefillSplit
 from agentx.engine.runner.cuda_graph import DecodeGraphs
 from agentx.engine.runner.input_batch import BatchInputs, InputBatch
 from agentx.engine.runner.kv_layout import allocate_kv_caches, get_layer_specs, plan_kv_layout
@@ -54,6 +54,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.max_model_len = resolve_max_model_len(config, spec)
+        self.parallel = parallel
+        self.num_rows_run = 0  # token rows this rank ran through the model (eagerly), ever
         with torch.device(self.device):
             model = get_model_class(spec.architecture)(spec, parallel, self.dtype)
         model.load_weights(weights)
@@ -122,17 +124,39 @@ class ModelRunner:
             return self.decode_graphs.replay(batch, seq_lens)
         if self.device.type == "cuda" and kernels.triton_enabled():
             batch = _on_device(batch, self.device)
+        split = self._prefill_split(batch)
         ctx = ForwardContext(
             attn=batch.attn,
             layer_groups=self.layer_groups,
             kv_caches=self.kv_caches,
             linear=batch.linear,
+            pcp=split,
         )
+        input_ids, positions = batch.input_ids, batch.positions
+        if split is not None:  # this rank's rows of a long prefill
+            own = split.own.to(input_ids.device)
+            input_ids, positions = input_ids[own], positions[own]
+        self.num_rows_run += len(input_ids)
         with forward_context(ctx):
-            hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device))
+            hidden = self.model(input_ids.to(self.device), positions.to(self.device))
         if not batch.sample_rows:
             return None
+        if split is not None:  # the same on every rank: the collective lines up
+            hidden = split.gather(hidden)  # (T, hidden): every rank samples every row
         return self.model.compute_logits(hidden[batch.logits_indices.to(self.device)])
+
+    def _prefill_split(self, batch: BatchInputs) -> PrefillSplit | None:
+        """This step's rows per rank under prefill context parallel (None: every rank runs
+        every row, as at pcp=1 and in a step with no long enough prefill)."""
+        parallel = self.parallel
+        if parallel.pcp_size == 1:
+            return None
+        meta = next(m for m in batch.attn if m is not None)
+        starts = meta.query_start_loc
+        query_lens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+        return PrefillSplit.build(
+            query_lens, parallel.pcp_size, parallel.dcp_rank, parallel.dcp_group
+        )
 
     def warm_up(self) -> None:
         """One small forward outside the scheduler (``warmup.py``), before the first step."""

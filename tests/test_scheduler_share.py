@@ -238,3 +238,31 @@ def test_config_builds_the_model_and_rejects_bad_values():
             SchedulerConfig(**bad)
     with pytest.raises(ConfigError):
         AdaptiveStepCost(COST, decay=1.0)
+
+
+def test_short_turns_are_admitted_whole_past_the_share():
+    # short_turn_tokens=256: two 200-token turns arriving together (a subagent burst) both run
+    # whole in one step beside the decodes, past the 136-token share; a 300-token turn does not
+    # count as short and gets the share as before
+    s = make_scheduler(short_turn_tokens=256)
+    start_decodes(s)
+    s.add_request(make_request("x", list(range(100, 300))))
+    s.add_request(make_request("y", list(range(300, 500))))
+    s.add_request(make_request("long", list(range(500, 800))))
+    assert step(s) == {**DECODES, "x": 200, "y": 200}
+    # six decodes now: 100 - (20 + 6 * 0.5 + 7 * 2) = 63 ms, 126 tokens for the long one
+    assert step(s) == {**DECODES, "x": 1, "y": 1, "long": 126}
+
+
+def test_without_short_turns_a_burst_trickles_in_at_the_share():
+    s = make_scheduler()
+    start_decodes(s)
+    s.add_request(make_request("x", list(range(100, 300))))
+    s.add_request(make_request("y", list(range(300, 500))))
+    assert step(s) == {**DECODES, "x": 136}
+    assert step(s) == {**DECODES, "x": 64, "y": 72}
+
+
+def test_short_turn_tokens_validation():
+    with pytest.raises(ConfigError, match="short_turn_tokens"):
+        SchedulerConfig(short_turn_tokens=-1)

@@ -442,3 +442,27 @@ def test_constrained_greedy_identical_with_drafts(make_engine, call_prompt, max_
         assert on[0].usage.accepted_draft_tokens > len(on[0].token_ids) // 2
     else:  # the budget forces its plan at the end: nothing is drafted into forced positions
         assert on[0].stop_reason == "grammar_budget"
+
+
+@pytest.mark.parametrize("yield_", [True, False])
+def test_drafts_yield_while_a_prefill_is_chunked(yield_):
+    # the fixed prior (45 ms + 1.9 ms a token + 5 ms a request) at the 200 ms target leaves
+    # floor((200 - 45 - 1.9 - 10) / 1.9) = 75 tokens for "b" beside "a"'s decode; with
+    # drafts_yield_to_prefill "a" drafts only once "b" is no longer clipped
+    s = make_scheduler(num_blocks=60, drafts_yield_to_prefill=yield_, step_cost_model="fixed")
+    req = make_request("a", [5, 6, 7, 8, 1, 2, 3, 5, 6, 7, 8], max_tokens=20)
+    s.add_request(req)
+    run_step(s, {"a": [1]})
+    req.drafter = Drafter(max_k=4)
+    s.add_request(make_request("b", list(range(100, 200)), max_tokens=4))
+
+    def shape(out):
+        return {x.request_id: (len(x.token_ids), x.num_draft_tokens) for x in out.scheduled}
+
+    out = s.schedule()
+    # "a" drafts "2 3 5 6" (what followed "7 8 1") unless it yields to "b"'s chunk
+    assert shape(out) == {"a": (1, 0) if yield_ else (5, 4), "b": (75, 0)}
+    if yield_:
+        s.update_from_output(out, ModelRunnerOutput({"a": 2}))
+        # "b"'s last 25 tokens fit: nothing is left wanting, "a" drafts "3 5 6 7"
+        assert shape(s.schedule()) == {"a": (5, 4), "b": (25, 0)}

@@ -202,6 +202,11 @@ def test_master_absent_is_unhealthy_not_hanging():
         tier.close()
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 @private
 def test_hung_master_times_out_then_recovers(master):
     tier = make_tier(master.address, lookup_timeout_s=0.3)
@@ -209,6 +214,9 @@ def test_hung_master_times_out_then_recovers(master):
         assert put(tier, [0]) == [True]
         os.kill(master.pid, signal.SIGSTOP)  # alive but silent: TCP still connects
         try:
+            # the signal lands when the master is next scheduled: a lookup sent before that
+            # would still be answered
+            assert wait_until(lambda: _state(master.pid) == "T")
             start = time.monotonic()
             assert tier.lookup([H(0)]) == 0
             assert time.monotonic() - start < 1.5

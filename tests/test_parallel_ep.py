@@ -12,22 +12,18 @@ differs is only what expert parallel changes). A worker killed mid-step gives En
 and leaves no process behind.
 """
 
-import multiprocessing
-import os
-import signal
 from dataclasses import replace
 
 import pytest
 import torch
 from model_helpers import random_tokens, save_qwen3_next_folder, tiny_qwen3_next
-from test_parallel_tp import _alive, _wait_for_tokens
+from parallel_helpers import assert_no_process_left, kill_rank_mid_generation
 
 from agentx import (
     CacheConfig,
     ConfigError,
     Engine,
     EngineConfig,
-    EngineDeadError,
     ParallelConfig,
     SamplingParams,
     SchedulerConfig,
@@ -213,15 +209,7 @@ def test_ep2_dead_worker(folder):
     prompt = random_tokens(40, seed=3)
     engine = Engine(_config(folder, 2, num_blocks=64))
     try:
-        pids = engine.core.runner.pids
-        stream = engine.add_request(prompt, SamplingParams(max_tokens=400, ignore_eos=True))
-        _wait_for_tokens(stream)
-        os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(EngineDeadError):
-            stream.result(timeout=120)
-        with pytest.raises(EngineDeadError):
-            engine.add_request(prompt, GREEDY)
+        pids = kill_rank_mid_generation(engine, 1, prompt, 400, GREEDY)
     finally:
         engine.close()
-    assert all(not _alive(pid) for pid in pids)
-    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+    assert_no_process_left(pids)

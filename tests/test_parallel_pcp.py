@@ -15,18 +15,20 @@ near-ties, tests/test_parallel_dcp.py). What pcp adds to dcp changes no number a
 projections, MLP and norms are per row, and the attention is DCP's over the gathered rows.
 """
 
-import multiprocessing
-import os
-import signal
 from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 from model_helpers import save_hf_folder, tiny_hf_config
-from test_parallel_tp import _alive, _config, _wait_for_tokens
+from parallel_helpers import (
+    assert_no_process_left,
+    check_greedy_cached_and_preempted,
+    kill_rank_mid_generation,
+)
+from test_parallel_tp import _config
 
-from agentx import ConfigError, Engine, EngineDeadError, ParallelConfig, SamplingParams
+from agentx import ConfigError, Engine, ParallelConfig, SamplingParams
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.parallel import PrefillSplit, zigzag_rows
 from agentx.engine.parallel.worker import WorkerCall
@@ -80,13 +82,14 @@ def test_pcp2_layout_rows_greedy_preemption_and_dead_worker(tiny_folder):
     pcp = Engine(replace(config, parallel=ParallelConfig(dcp=2, pcp=2)))
     try:
         _check_kv_layout_and_rows(one, pcp)
-        _check_greedy(one, pcp)
-        pids = _check_dead_worker(pcp)
+        check_greedy_cached_and_preempted(one, pcp, _prompts, GREEDY)
+        # rank 1 killed on a long prompt: it dies inside a split prefill or a decode
+        assert len(pcp.core.runner.pids) == 2
+        pids = kill_rank_mid_generation(pcp, 1, _prompts(1)[0], 60, GREEDY)
     finally:
         one.close()
         pcp.close()
-    assert all(not _alive(pid) for pid in pids)
-    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+    assert_no_process_left(pids)
 
 
 def _rows_run(engine: Engine) -> list[int]:
@@ -117,36 +120,6 @@ def _check_kv_layout_and_rows(one: Engine, pcp: Engine) -> None:
     assert written == list(range(1, 1 + -(-(len(prompt) + GREEDY.max_tokens - 1) // 16)))
     for rank, part in enumerate(parts):
         torch.testing.assert_close(part, full[:, :, :, rank::2], rtol=2e-2, atol=2e-2)
-
-
-def _check_greedy(one: Engine, pcp: Engine) -> None:
-    prompts = _prompts(3)
-    want = [g.token_ids for g in one.generate(prompts, GREEDY)]
-    assert [g.token_ids for g in pcp.generate(prompts, GREEDY)] == want
-    again = pcp.generate(prompts, GREEDY)  # the shared prefix from the cache
-    assert [g.token_ids for g in again] == want
-    assert min(g.usage.cached_tokens for g in again) >= 64
-    more = _prompts(4)  # 11 usable blocks: the fourth request preempts
-    want = [g.token_ids for g in one.generate(more, GREEDY)]
-    before = pcp.stats().num_preemptions
-    assert [g.token_ids for g in pcp.generate(more, GREEDY)] == want
-    assert pcp.stats().num_preemptions > before
-    assert pcp.stats().kv_num_used_blocks == 0
-    pcp.check_integrity()
-
-
-def _check_dead_worker(pcp: Engine) -> list[int]:
-    """Kill rank 1 mid-generation (a long prompt: it dies inside a split prefill or a decode)."""
-    pids = pcp.core.runner.pids
-    assert len(pids) == 2
-    stream = pcp.add_request(_prompts(1)[0], SamplingParams(max_tokens=60, ignore_eos=True))
-    _wait_for_tokens(stream)
-    os.kill(pids[1], signal.SIGKILL)
-    with pytest.raises(EngineDeadError):
-        stream.result(timeout=120)
-    with pytest.raises(EngineDeadError):
-        pcp.add_request(_prompts(1)[0], GREEDY)
-    return pids
 
 
 def test_smollm2_pcp2_greedy_equals_world_size_1():

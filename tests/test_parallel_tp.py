@@ -15,21 +15,18 @@ Bit-exact tensor parallelism would need the fused layer's float order across ran
 (docs/BENCHMARKS.md, "Parallel backends").
 """
 
-import multiprocessing
-import os
-import signal
 
 import pytest
 import torch
 import transformers
 from model_helpers import save_hf_folder, tiny_hf_config
+from parallel_helpers import assert_no_process_left, kill_rank_mid_generation
 
 from agentx import (
     CacheConfig,
     ConfigError,
     Engine,
     EngineConfig,
-    EngineDeadError,
     ParallelConfig,
     SamplingParams,
     SchedulerConfig,
@@ -119,7 +116,7 @@ def test_tp2_close_leaves_no_process():
     pids = engine.core.runner.pids
     assert engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2))
     engine.close()
-    assert all(not _alive(pid) for pid in pids)
+    assert_no_process_left(pids)
 
 
 @pytest.fixture(scope="module")
@@ -141,34 +138,10 @@ def test_tp2_replicated_kv_head_and_dead_worker(tiny_folder):
     engine = Engine(_config(2, model=str(tiny_folder), num_blocks=160))
     try:
         assert engine.generate(prompt, sampling)[0].token_ids == want
-        pids = engine.core.runner.pids
-        stream = engine.add_request(prompt, SamplingParams(max_tokens=2000, ignore_eos=True))
-        _wait_for_tokens(stream)
-        os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(EngineDeadError):
-            stream.result(timeout=120)
-        with pytest.raises(EngineDeadError):
-            engine.add_request(prompt, sampling)
+        pids = kill_rank_mid_generation(engine, 1, prompt, 2000, sampling)
     finally:
         engine.close()
-    assert all(not _alive(pid) for pid in pids)
-    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
-
-
-def _wait_for_tokens(stream) -> None:
-    """Until a few tokens arrived: the kill lands mid-generation."""
-    received = 0
-    while received < 3:
-        received += len(stream.get(timeout=120).new_token_ids)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive (but it was reaped: gone)
-        return f.read().split()[2] != "Z"
+    assert_no_process_left(pids)
 
 
 def test_parallel_config_validation():

@@ -15,22 +15,23 @@ tiny model has no near-ties at these prompts (tests/test_parallel_tp.py checks t
 the same way): the claim is "TP x DCP computes the same model", not "TP x DCP equals TP".
 """
 
-import multiprocessing
-import os
-import signal
 from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 from model_helpers import save_hf_folder, tiny_hf_config
-from test_parallel_tp import _alive, _config, _wait_for_tokens
+from parallel_helpers import (
+    assert_no_process_left,
+    check_greedy_cached_and_preempted,
+    kill_rank_mid_generation,
+)
+from test_parallel_tp import _config
 
 from agentx import (
     CacheConfig,
     Engine,
     EngineConfig,
-    EngineDeadError,
     ParallelConfig,
     SamplingParams,
 )
@@ -67,13 +68,14 @@ def test_tp2_dcp2_layout_greedy_preemption_and_dead_worker(tiny_folder):
     grid = Engine(replace(config, parallel=ParallelConfig(tp=2, dcp=2)))
     try:
         _check_kv_layout(one, grid)
-        _check_greedy(one, grid)
-        pids = _check_dead_worker(grid)
+        check_greedy_cached_and_preempted(one, grid, _prompts, GREEDY)
+        # rank 3 (dcp 1, tp 1: in tp group {2, 3} and dcp group {1, 3})
+        assert len(grid.core.runner.pids) == 4
+        pids = kill_rank_mid_generation(grid, 3, _prompts(1)[0], 60, GREEDY)
     finally:
         one.close()
         grid.close()
-    assert all(not _alive(pid) for pid in pids)
-    assert not [p for p in multiprocessing.active_children() if p.pid in pids]
+    assert_no_process_left(pids)
 
 
 def _check_kv_layout(one: Engine, grid: Engine) -> None:
@@ -97,36 +99,6 @@ def _check_kv_layout(one: Engine, grid: Engine) -> None:
         d, t = divmod(rank, 2)
         want = full[:, :, :, d::2, t : t + 1]  # (n, layers, 2, 8, 1, head dim)
         torch.testing.assert_close(part, want, rtol=2e-2, atol=2e-2)
-
-
-def _check_greedy(one: Engine, grid: Engine) -> None:
-    prompts = _prompts(3)
-    want = [g.token_ids for g in one.generate(prompts, GREEDY)]
-    assert [g.token_ids for g in grid.generate(prompts, GREEDY)] == want
-    again = grid.generate(prompts, GREEDY)  # the shared prefix from the cache
-    assert [g.token_ids for g in again] == want
-    assert min(g.usage.cached_tokens for g in again) >= 64
-    more = _prompts(4)  # 11 usable blocks: the fourth request preempts
-    want = [g.token_ids for g in one.generate(more, GREEDY)]
-    before = grid.stats().num_preemptions
-    assert [g.token_ids for g in grid.generate(more, GREEDY)] == want
-    assert grid.stats().num_preemptions > before
-    assert grid.stats().kv_num_used_blocks == 0
-    grid.check_integrity()
-
-
-def _check_dead_worker(grid: Engine) -> list[int]:
-    """Kill rank 3 (dcp 1, tp 1: in tp group {2, 3} and dcp group {1, 3}) mid-generation."""
-    pids = grid.core.runner.pids
-    assert len(pids) == 4
-    stream = grid.add_request(_prompts(1)[0], SamplingParams(max_tokens=60, ignore_eos=True))
-    _wait_for_tokens(stream)
-    os.kill(pids[3], signal.SIGKILL)
-    with pytest.raises(EngineDeadError):
-        stream.result(timeout=120)
-    with pytest.raises(EngineDeadError):
-        grid.add_request(_prompts(1)[0], GREEDY)
-    return pids
 
 
 def test_smollm2_tokens_per_rank_from_the_layout():

@@ -87,7 +87,7 @@ async def _probe(spec: str, settings: EngineSettings, omp_wait: str, full: bool)
     name = spec.split("=", 1)[0]
     command = spec if "=" in spec else None
     adapter = make_engine(command or name, settings)()
-    if name == "agentx":  # agentx's worker takes the policy from the environment
+    if name.startswith("agentx"):  # agentx's workers take the policy from the environment
         os.environ.pop("GOMP_SPINCOUNT", None)
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE" if omp_wait == "passive" else "ACTIVE"
         if omp_wait == "spin":

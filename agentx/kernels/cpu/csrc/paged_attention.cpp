@@ -9,7 +9,8 @@
 //
 // Every row is computed by the same sequence of float operations whatever the other rows of
 // the call: its keys are cut into splits of kSplitTokens from its first key, each split runs
-// online softmax over block-aligned chunks, and the splits merge by their max and denominator.
+// online softmax over chunks of kChunkTokens keys aligned from key 0 (a chunk spans several
+// blocks when blocks are smaller), and the splits merge by their max and denominator.
 // So a token attends identically when decoded, prefilled in a chunk, or recomputed after a
 // prefix hit. Consecutive rows of one request (a prefill chunk) run as a tile that shares each
 // K/V chunk while it is in L1; that changes which loads happen, not any row's arithmetic.

@@ -341,10 +341,12 @@ class Scheduler:
         return budget.clip(num_new)
 
     def _clip_admitted(self, num_new: int, budget: _StepBudget) -> int:
-        """A waiting request's tokens this step: a short turn's whole, past the chunk share
-        (``short_turn_tokens``), anything else as ``_clip``."""
-        if 1 < num_new <= self.config.short_turn_tokens:
-            return num_new if num_new <= budget.num_tokens else self._clip(num_new, budget)
+        """A waiting request's tokens this step: a short turn's whole (up to
+        ``long_prefill_token_threshold``), past the chunk share (``short_turn_tokens``);
+        anything else as ``_clip``."""
+        if 1 < num_new <= min(self.config.short_turn_tokens, budget.num_tokens):
+            threshold = self.config.long_prefill_token_threshold
+            return min(num_new, threshold) if threshold else num_new
         return self._clip(num_new, budget)
 
     def _may_admit(self) -> bool:

@@ -51,6 +51,7 @@ from agentx.bench.adapter import (
     EngineInfo,
     GenerateRequest,
     Tokens,
+    agentx_events,
 )
 from agentx.bench.engines import resolve_model, token_space_for_model
 from agentx.bench.loader import load_trace
@@ -130,16 +131,9 @@ class RouterAdapter(EngineAdapter):
         except AgentXError as exc:
             raise BenchEngineError(str(exc)) from exc
         self.num_routed[replica] += 1
-        num_output = 0
         try:
-            async for out in stream:
-                if out.new_token_ids:
-                    num_output += len(out.new_token_ids)
-                    yield Tokens(len(out.new_token_ids))
-                if out.finished:
-                    yield Done(num_output, out.num_cached_tokens)
-        except AgentXError as exc:
-            raise BenchEngineError(str(exc)) from exc
+            async for event in agentx_events(stream):
+                yield event
         finally:
             if not stream.finished:
                 self.router.replicas[replica].abort(stream.request_id)

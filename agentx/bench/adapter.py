@@ -82,3 +82,19 @@ class EngineAdapter(ABC):
 
 class BenchEngineError(RuntimeError):
     """The engine under test failed a request (the replay records it and goes on)."""
+
+
+async def agentx_events(outputs: AsyncIterator) -> AsyncIterator[Tokens | Done]:
+    """An agentx stream's outputs as bench events; an agentx error becomes BenchEngineError."""
+    from agentx import AgentXError  # imported here: the adapter layer knows no engine
+
+    num_output = 0
+    try:
+        async for out in outputs:
+            if out.new_token_ids:
+                num_output += len(out.new_token_ids)
+                yield Tokens(len(out.new_token_ids))
+            if out.finished:
+                yield Done(num_output, out.num_cached_tokens)
+    except AgentXError as exc:
+        raise BenchEngineError(str(exc)) from exc

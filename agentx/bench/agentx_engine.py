@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 from agentx.bench.adapter import (
-    BenchEngineError,
     Done,
     EngineAdapter,
     EngineInfo,
     GenerateRequest,
     Tokens,
+    agentx_events,
 )
 
 
@@ -98,24 +98,14 @@ class AgentxEngine(EngineAdapter):
         return EngineInfo("agentx", __version__, config)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Done]:
-        from agentx import AgentXError, SamplingParams
+        from agentx import SamplingParams
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        num_output = 0
-        try:
-            async for out in self.engine.stream(
-                request.prompt,
-                sampling,
-                request_id=request.request_id,
-                hints=self.hints_for(request),
-            ):
-                if out.new_token_ids:
-                    num_output += len(out.new_token_ids)
-                    yield Tokens(len(out.new_token_ids))
-                if out.finished:
-                    yield Done(num_output, out.num_cached_tokens)
-        except AgentXError as exc:
-            raise BenchEngineError(str(exc)) from exc
+        stream = self.engine.stream(
+            request.prompt, sampling, request_id=request.request_id, hints=self.hints_for(request)
+        )
+        async for event in agentx_events(stream):
+            yield event
 
     def hints_for(self, request: GenerateRequest) -> tuple:
         """Hints sent with the request (none here; benchmarks of hint handling override it)."""

@@ -42,8 +42,7 @@ def moe_experts(
         slots = order[start : start + count]
         start += count
         tokens = slots // top_k
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)  # (n, I) each
-        y = F.linear(F.silu(gate) * up, w2[expert])  # (n, D)
+        y = _expert_mlp(x[tokens], w13[expert], w2[expert])  # (n, D)
         weight = topk_weights.flatten()[slots, None].to(y.dtype)
         out.index_add_(0, tokens, y * weight)
     return out
@@ -80,8 +79,7 @@ def moe_expert_slots(
         slots = held[start : start + count]
         start += count
         tokens = slots // top_k
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)  # (n, I) each
-        y = F.linear(F.silu(gate) * up, w2[expert])  # (n, D)
+        y = _expert_mlp(x[tokens], w13[expert], w2[expert])  # (n, D)
         out[slots] = y * topk_weights.flatten()[slots, None].to(y.dtype)
     return out.view(num_tokens, top_k, -1)
 
@@ -96,3 +94,9 @@ def sum_expert_slots(slots: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tenso
     for j in range(ordered.shape[1]):
         out.add_(ordered[:, j])
     return out
+
+
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU MLP: x (n, D), w13 (2I, D) gate rows then up rows, w2 (D, I)."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)  # (n, I) each
+    return F.linear(F.silu(gate) * up, w2)

@@ -4,7 +4,10 @@ Replays one trace (default: the 2026-11-29 compare trace, 8 sessions, 103 reques
 ``ReplicaRouter`` with DP replicas in this process, once per routing policy, each run on fresh
 cold replicas:
 
-    sticky          a session stays on the replica that holds its KV; first turns least loaded
+    sticky          a session stays on the replica that holds its KV; a first turn goes to the
+                    replica the router sent the longest prefix of its prompt to (a subagent: its
+                    parent's), within a load slack, else to the least loaded
+    sticky-plain    sticky without the prefix index: every first turn to the least loaded
     sticky-migrate  sticky, and a waiting session whose home has more than --migrate-after live
                     requests more than the least-loaded replica moves there with its KV, through
                     a disk tier in a fresh temporary folder that every replica reads
@@ -23,8 +26,8 @@ Threads: every replica runs with ``--threads-per-replica`` torch threads. The re
 this process; ``torch.set_num_threads`` acts on the calling thread, and each replica's loop
 thread runs with the count its replica set (the router's docstring), so DP=2 x 1 thread uses
 the 2 cores of the reference machine; the loop threads share the GIL for the Python side of
-their steps. Subagents are sessions of their own to the router (their first turn goes to the
-least-loaded replica, not to their parent's).
+their steps. Subagents are sessions of their own to the router; only their prompts (forked from
+the parent's context) tell the prefix-aware sticky policy where their parent's KV is.
 
     python benchmarks/dp_router_bench.py                         # the whole trace, 4 policies
     python benchmarks/dp_router_bench.py --max-sessions 2 --max-think 0 --policies sticky
@@ -63,7 +66,7 @@ from agentx.bench.trace import Trace
 from agentx.bench.trace_stats import trace_stats
 
 DEFAULT_TRACE = Path("docs/bench/compare-2026-11-29/trace.jsonl")
-POLICIES = ("sticky", "sticky-migrate", "round_robin", "least_loaded")
+POLICIES = ("sticky", "sticky-plain", "sticky-migrate", "round_robin", "least_loaded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,8 @@ class RouterAdapter(EngineAdapter):
             self._disk = tempfile.TemporaryDirectory(prefix="agentx-dp-bench-")
             offload = OffloadConfig(disk_path=self._disk.name)
             policy = StickySessionPolicy(migrate_after=o.migrate_after)
+        elif policy == "sticky-plain":
+            policy = StickySessionPolicy(prefix_min_tokens=None)
         config = EngineConfig(
             dtype=o.dtype,
             num_threads=o.threads,

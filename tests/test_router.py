@@ -21,6 +21,7 @@ from agentx.config import OffloadConfig, SchedulerConfig
 from agentx.engine.router import (
     LeastLoadedPolicy,
     Migration,
+    PrefixIndex,
     ReplicaLoad,
     ReplicaRouter,
     RoundRobinPolicy,
@@ -41,6 +42,37 @@ def test_sticky_keeps_a_session_and_sends_first_turns_to_the_least_loaded():
     assert policy.home == {"a": 1, "b": 0}
     policy.forget("a")
     assert policy.choose("a", _loads(0, 9)) == 0
+
+
+def test_prefix_index_matches_whole_leading_blocks_per_replica():
+    index = PrefixIndex(2, block_tokens=4, max_blocks=3)
+    a = index.hashes(list(range(10)))  # 2 whole blocks; the last 2 tokens are not indexed
+    assert len(a) == 2 and index.hashes(list(range(8))) == a
+    assert index.hashes(list(range(10)), salt="tenant") != a  # a salt is another cache
+    assert index.hashes([9, 1, 2, 3, 4, 5, 6, 7])[1] != a[1]  # a block's hash covers its past
+    index.record(1, a)
+    assert index.matched_tokens(a) == [0, 8]
+    assert index.matched_tokens(index.hashes([0, 1, 2, 3, 9, 9, 9, 9, 9, 9, 9, 9])) == [0, 4]
+    index.record(1, index.hashes(list(range(100, 108))))  # 4 blocks on 1: its oldest dropped
+    assert index.num_blocks(1) == 3 and index.matched_tokens(a) == [0, 0]
+    index.check_integrity()
+    with pytest.raises(ConfigError):
+        PrefixIndex(2, block_tokens=4, max_blocks=0)
+
+
+def test_sticky_sends_a_first_turn_to_the_replica_with_its_prefix():
+    policy = StickySessionPolicy(prefix_min_tokens=64, prefix_load_slack=2)
+    assert policy.choose("a", [ReplicaLoad(2, 1, 64), ReplicaLoad(0, 0, 0)]) == 0  # slack 2
+    assert policy.choose("b", [ReplicaLoad(3, 1, 64), ReplicaLoad(0, 0, 0)]) == 1  # too busy
+    assert policy.choose("c", [ReplicaLoad(0, 1, 48), ReplicaLoad(1, 0, 0)]) == 0  # idle anyway
+    assert policy.choose("d", [ReplicaLoad(1, 1, 48), ReplicaLoad(0, 0, 0)]) == 1  # too short
+    assert policy.choose("e", [ReplicaLoad(1, 1, 96), ReplicaLoad(1, 0, 160)]) == 1  # longest
+    assert policy.choose("a", [ReplicaLoad(0, 1, 0), ReplicaLoad(9, 0, 0)]) == 0  # warm: home
+    plain = StickySessionPolicy(prefix_min_tokens=None)
+    assert plain.choose("a", [ReplicaLoad(1, 1, 999), ReplicaLoad(0, 0, 0)]) == 1
+    for bad in ({"prefix_min_tokens": 0}, {"prefix_load_slack": -1}):
+        with pytest.raises(ConfigError):
+            StickySessionPolicy(**bad)
 
 
 def test_baselines():
@@ -158,6 +190,33 @@ def test_a_waiting_session_migrates_with_its_kv_through_a_shared_disk_tier(tmp_p
         for engine in router.replicas:
             stats = engine.stats()
             assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+
+
+def test_a_subagent_first_turn_goes_to_its_parents_replica():
+    config = EngineConfig(cache=CacheConfig(num_blocks=64), parallel=ParallelConfig(dp=2))
+    with ReplicaRouter(config) as router:
+        tok = router.tokenizer
+        parent = tok.encode("The history of the Roman Empire " * 30)[:180]
+        home, stream = router.add_request(parent, GREEDY, session_id="p")
+        gen = stream.result(timeout=300)  # 185 tokens computed: 11 full blocks cached
+        assert home == 0
+        context = parent + gen.token_ids
+        blocker = _overload(router, 0)  # the parent's replica is one request busier
+        fork, stream = router.add_request(context + [13, 42], GREEDY, session_id="p/sub-0")
+        sub = stream.result(timeout=300)
+        assert fork == 0 and sub.usage.cached_tokens == 176  # the parent's blocks
+        other = tok.encode("A recipe for bread and butter " * 30)[:180]
+        cold, stream = router.add_request(other, GREEDY, session_id="q")  # no prefix anywhere
+        assert cold == 1 and stream.result(timeout=300).usage.cached_tokens == 0
+        salted, stream = router.add_request(  # another tenant's cache: nothing to share
+            context + [7], GREEDY, session_id="r", cache_salt="tenant-b"
+        )
+        assert salted == 1 and stream.result(timeout=300).usage.cached_tokens == 0
+        _end(router, blocker)
+        assert router.policy.home == {"p": 0, "p/sub-0": 0, "q": 1, "r": 1}
+        router.check_integrity()
+        for engine in router.replicas:
+            assert engine.stats().kv_num_used_blocks == 0
 
 
 def test_replicas_share_one_step_clock_and_run_their_own_thread_count():

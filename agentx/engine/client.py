@@ -113,6 +113,10 @@ class Engine(EngineBackend):
             self._cond.notify()
         return stream
 
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids a request of ``prompt`` holds (InvalidRequestError as add_request)."""
+        return self.core.tokenize(prompt)
+
     def abort(self, request_id: str) -> None:
         """Abort a live request; its blocks are freed before the next step. Idempotent."""
         with self._cond:

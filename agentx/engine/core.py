@@ -130,7 +130,7 @@ class EngineCore:
     ) -> Request:
         """Validate and build a request; raises InvalidRequestError before anything is queued."""
         options = options or RequestOptions()
-        token_ids = self._tokenize(prompt)
+        token_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(token_ids), sampling.max_tokens)
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(62)
         grammar = None
@@ -165,7 +165,9 @@ class EngineCore:
         drafter = Drafter(self.config.speculative.num_speculative_tokens, sources)
         return {"drafter": drafter, "draft_sinks": sources}
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids as a request would hold them; InvalidRequestError for ids
+        outside the vocabulary or an empty prompt."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:

@@ -12,6 +12,17 @@ the policy that wins agent traffic is sticky: a session stays where its KV is; a
 (cold, often long) goes to the least-loaded replica. Round-robin and least-loaded are the
 baselines the benchmarks compare it with.
 
+Prefix-aware first turns: a first turn is not always cold. A subagent's prompt forks from its
+parent's context, and sessions of one tenant share a system prompt; that prefix is cached on
+the replica that served it. The router keeps a :class:`PrefixIndex` (the chained hashes of the
+full blocks of every prompt it sent to each replica, an LRU per replica) and gives the policy,
+per replica, how many of the request's leading tokens it last sent there
+(``ReplicaLoad.num_cached_tokens``). The sticky policy sends a first turn to the replica with
+the longest such prefix when that is at least ``prefix_min_tokens`` and the replica is not
+more than ``prefix_load_slack`` live requests busier than the least loaded; otherwise to the
+least loaded. It is an estimate (a replica may have evicted the blocks since): a wrong guess
+costs a recompute, never a wrong token.
+
 Migration: ``StickySessionPolicy(migrate_after=k)`` moves a waiting session (its next turn is
 being routed) off a home replica that has more than ``k`` live requests more than the least
 loaded one. Its KV moves with it through a tier both replicas read (``OffloadConfig.disk_path``
@@ -40,6 +51,7 @@ from __future__ import annotations
 import itertools
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -57,6 +69,57 @@ class ReplicaLoad:
 
     num_live_requests: int
     num_sessions: int  # sessions whose KV the router last placed here
+    # leading tokens of this request that the router last sent here in some prompt (whole
+    # blocks; an estimate of the prefix hit there: the replica may have evicted them since)
+    num_cached_tokens: int = 0
+
+
+class PrefixIndex:
+    """The prompt prefixes the router sent to each replica, as chained hashes of whole
+    ``block_tokens``-token blocks (a block's hash covers every token before it, as the engine's
+    prefix hashes do, and the request's cache salt): at most ``max_blocks`` per replica, the
+    least recently sent dropped first. Lives under the router's lock."""
+
+    def __init__(self, num_replicas: int, block_tokens: int, max_blocks: int = 1 << 16) -> None:
+        if max_blocks <= 0:
+            raise ConfigError(f"the prefix index needs max_blocks > 0, got {max_blocks}")
+        self.block_tokens = block_tokens
+        self.max_blocks = max_blocks
+        self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def hashes(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+        """One chained hash per whole block of ``token_ids``."""
+        out, parent, n = [], hash(("agentx-prefix", salt)), self.block_tokens
+        for start in range(0, len(token_ids) - n + 1, n):
+            parent = hash((parent, tuple(token_ids[start : start + n])))
+            out.append(parent)
+        return out
+
+    def matched_tokens(self, hashes: Sequence[int]) -> list[int]:
+        """Per replica, how many leading tokens (whole blocks) it was sent."""
+        matched = []
+        for blocks in self._blocks:
+            n = 0
+            while n < len(hashes) and hashes[n] in blocks:
+                n += 1
+            matched.append(n * self.block_tokens)
+        return matched
+
+    def record(self, replica: int, hashes: Sequence[int]) -> None:
+        """``replica`` was sent a prompt with these block hashes: they are its newest."""
+        blocks = self._blocks[replica]
+        for h in hashes:
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+
+    def num_blocks(self, replica: int) -> int:
+        return len(self._blocks[replica])
+
+    def check_integrity(self) -> None:
+        for r, blocks in enumerate(self._blocks):
+            assert len(blocks) <= self.max_blocks, f"replica {r}'s index is over its cap"
 
 
 class RouterPolicy(ABC):
@@ -101,17 +164,34 @@ class LeastLoadedPolicy(RouterPolicy):
 
 
 class StickySessionPolicy(RouterPolicy):
-    """A session's turns go where its first turn went; first turns to the least loaded.
+    """A session's turns go where its first turn went; first turns to the replica that holds
+    the longest prefix of their prompt, else to the least loaded.
 
     ``migrate_after=k``: a session whose home has more than ``k`` live requests more than the
     least-loaded replica moves there (its new home), its KV with it. None: never moves.
+    ``prefix_min_tokens``: a first turn goes to the replica the router sent the longest prefix
+    of its prompt to when that prefix has at least this many tokens and that replica has at most
+    ``prefix_load_slack`` live requests more than the least loaded (None: always the least
+    loaded, the placement of a plain sticky router).
     """
 
-    def __init__(self, migrate_after: int | None = None) -> None:
+    def __init__(
+        self,
+        migrate_after: int | None = None,
+        *,
+        prefix_min_tokens: int | None = 64,
+        prefix_load_slack: int = 4,
+    ) -> None:
         if migrate_after is not None and migrate_after < 0:
             raise ConfigError(f"migrate_after must be >= 0 or None, got {migrate_after}")
+        if prefix_min_tokens is not None and prefix_min_tokens <= 0:
+            raise ConfigError(f"prefix_min_tokens must be > 0 or None, got {prefix_min_tokens}")
+        if prefix_load_slack < 0:
+            raise ConfigError(f"prefix_load_slack must be >= 0, got {prefix_load_slack}")
         self.migrate_after = migrate_after
         self.migrates_kv = migrate_after is not None
+        self.prefix_min_tokens = prefix_min_tokens
+        self.prefix_load_slack = prefix_load_slack
         self.home: dict[str, int] = {}
 
     def choose(self, session_id: str | None, loads: Sequence[ReplicaLoad]) -> int:
@@ -125,10 +205,24 @@ class StickySessionPolicy(RouterPolicy):
                 self.home[session_id] = best
                 return best
             return home
-        replica = least_loaded(loads)
+        replica = self._first_turn(loads)
         if session_id is not None:
             self.home[session_id] = replica
         return replica
+
+    def _first_turn(self, loads: Sequence[ReplicaLoad]) -> int:
+        idle = least_loaded(loads)
+        if self.prefix_min_tokens is None:
+            return idle
+        warm = max(
+            range(len(loads)),
+            key=lambda r: (loads[r].num_cached_tokens, -loads[r].num_live_requests, -r),
+        )
+        cached = loads[warm].num_cached_tokens
+        busier = loads[warm].num_live_requests - loads[idle].num_live_requests
+        if cached >= self.prefix_min_tokens and busier <= self.prefix_load_slack:
+            return warm
+        return idle
 
     def forget(self, session_id: str) -> None:
         self.home.pop(session_id, None)
@@ -164,8 +258,9 @@ class ReplicaRouter:
     """``config.parallel.dp`` engine replicas (each built with dp=1) and a routing policy.
 
     ``align_prefills``: the replicas share one StepClock, so ``prefill_schedule_interval``
-    opens their prefill windows on the same step indices. Raises ConfigError for an unknown
-    policy name, or a policy that migrates KV without a tier the replicas share.
+    opens their prefill windows on the same step indices. ``prefix_index_blocks``: the prefix
+    index's cap per replica (whole blocks). Raises ConfigError for an unknown policy name, or a
+    policy that migrates KV without a tier the replicas share.
     """
 
     def __init__(
@@ -174,6 +269,7 @@ class ReplicaRouter:
         policy: str | RouterPolicy = "sticky",
         *,
         align_prefills: bool = True,
+        prefix_index_blocks: int = 1 << 16,
     ) -> None:
         if isinstance(policy, str):
             if policy not in POLICIES:
@@ -195,6 +291,9 @@ class ReplicaRouter:
             self.close()
             raise
         self._lock = threading.Lock()
+        self.prefix_index = PrefixIndex(
+            len(self.replicas), config.cache.block_size, prefix_index_blocks
+        )
         self._sessions: list[set[str]] = [set() for _ in self.replicas]
         self.migrations: list[Migration] = []
         self.tokenizer = self.replicas[0].tokenizer
@@ -211,10 +310,14 @@ class ReplicaRouter:
         ``held_kv`` handle (``Engine.add_request``) only means something on its own replica:
         the sticky policy keeps it there, and a migration replaces it with the handle of the
         KV imported on the new replica."""
+        token_ids = self.replicas[0].tokenize(prompt)  # also refuses a bad prompt, unrouted
+        salt = options.get("cache_salt") or getattr(options.get("options"), "cache_salt", None)
         with self._lock:
+            hashes = self.prefix_index.hashes(token_ids, salt)
+            cached = self.prefix_index.matched_tokens(hashes)
             loads = [
-                ReplicaLoad(engine.get_num_live_requests(), len(sessions))
-                for engine, sessions in zip(self.replicas, self._sessions, strict=True)
+                ReplicaLoad(engine.get_num_live_requests(), len(sessions), n)
+                for engine, sessions, n in zip(self.replicas, self._sessions, cached, strict=True)
             ]
             source = self._placed_on(session_id)
             replica = self.policy.choose(session_id, loads)
@@ -223,7 +326,8 @@ class ReplicaRouter:
                     options = self._migrate(session_id, source, replica, options)
                 for r, sessions in enumerate(self._sessions):
                     (sessions.add if r == replica else sessions.discard)(session_id)
-        return replica, self.replicas[replica].add_request(prompt, sampling, **options)
+            self.prefix_index.record(replica, hashes)
+        return replica, self.replicas[replica].add_request(token_ids, sampling, **options)
 
     def _placed_on(self, session_id: str | None) -> int | None:
         for r, sessions in enumerate(self._sessions):
@@ -268,6 +372,7 @@ class ReplicaRouter:
                     assert session_id not in placement, f"{session_id} is on two replicas"
                     placement[session_id] = r
             self.policy.check_integrity(placement)
+            self.prefix_index.check_integrity()
         for engine in self.replicas:
             engine.check_integrity()
 

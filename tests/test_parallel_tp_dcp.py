@@ -7,12 +7,13 @@ world-size-1 page (half the offsets, its KV head), nothing else written. Greedy 
 equal world size 1 with prefix caching, chunked prefill and preemption on, and a worker killed
 mid-step fails the engine with EngineDeadError, leaving no process behind.
 
-The model is the tiny random Llama of the TP tests (4 query heads, 2 KV heads: one KV head per
-tp rank), not SmolLM2: four SmolLM2 ranks on two shared cores take minutes per test (a manual
-run: ~3 min to start, ~6 min for 8 prompts x 24 tokens; docs/BENCHMARKS.md, "Parallel
-backends", has that run and which prompts match). World size 1 is the baseline because the
-tiny model has no near-ties at these prompts (tests/test_parallel_tp.py checks tp=2 against it
-the same way): the claim is "TP x DCP computes the same model", not "TP x DCP equals TP".
+The layout, fault and most greedy checks use the tiny random Llama of the TP tests (4 query
+heads, 2 KV heads: one KV head per tp rank): it has no near-ties at these prompts, so every
+prompt must match world size 1 (tests/test_parallel_tp.py checks tp=2 against it the same way):
+the claim is "TP x DCP computes the same model", not "TP x DCP equals TP". SmolLM2 at 2 x 2 runs
+on named prompts, for the reason tests/test_parallel_tp.py gives (near-ties under another float
+order: the ranks run op by op, world size 1 runs the fused layer); four SmolLM2 ranks on two
+cores take about a minute for it.
 """
 
 from dataclasses import replace
@@ -26,7 +27,7 @@ from parallel_helpers import (
     check_greedy_cached_and_preempted,
     kill_rank_mid_generation,
 )
-from test_parallel_tp import _config
+from test_parallel_tp import _config, _long_prompts
 
 from agentx import (
     CacheConfig,
@@ -119,3 +120,23 @@ def test_smollm2_tokens_per_rank_from_the_layout():
     assert one.num_blocks == 20  # 320 tokens at world size 1
     # x1.5 (the widest rank holds 2 of 3 KV heads) x2 (half of each block): 60 blocks, 960 tokens
     assert {(p.num_blocks, p.groups[0].spec.block_size) for p in planned} == {(60, 16)}
+
+
+SMOLLM2_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "The quick brown fox",
+    "Paris is the capital of",
+    "My favourite food is",
+]
+
+
+def test_smollm2_tp2_dcp2_greedy_equals_world_size_1():
+    one = Engine(_config(1))
+    grid = Engine(replace(_config(1), parallel=ParallelConfig(tp=2, dcp=2)))
+    try:
+        prompts = _long_prompts(one, SMOLLM2_PROMPTS)
+        check_greedy_cached_and_preempted(one, grid, lambda n: prompts[:n], SMOLLM2_GREEDY)
+    finally:
+        one.close()
+        grid.close()

@@ -341,6 +341,12 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length
     num_threads: int | None = None  # torch intra-op threads on CPU; None: every core
+    # A CPU step that computes at most this many tokens (decodes, a short verify) runs on one
+    # thread: its ~120 parallel regions (4 projections a layer) are so short that waking a
+    # second core for each costs more than it saves (docs/BENCHMARKS.md, "Threads per step").
+    # Larger steps (prefill chunks) use num_threads. 0: every step on num_threads. The kernels
+    # give the same bits at any thread count, so this never changes a token.
+    small_step_tokens: int = 16
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -374,6 +380,10 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError(f"num_threads must be positive, got {self.num_threads}")
+        if not isinstance(self.small_step_tokens, int) or self.small_step_tokens < 0:
+            raise ConfigError(
+                f"small_step_tokens must be an int >= 0, got {self.small_step_tokens!r}"
+            )
         if not isinstance(self.cache, CacheConfig):
             raise ConfigError("cache must be a CacheConfig")
         if not isinstance(self.scheduler, SchedulerConfig):

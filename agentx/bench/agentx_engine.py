@@ -35,6 +35,7 @@ class AgentxOptions:
     scheduler_options: dict = field(default_factory=dict)
     offload: object | None = None  # an agentx.OffloadConfig (tiers below the device)
     speculative: bool | None = None  # drafting from context; None: SpeculativeConfig's default
+    small_step_tokens: int | None = None  # None: EngineConfig's default
 
     def engine_config(self):
         from agentx import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
@@ -46,6 +47,11 @@ class AgentxOptions:
             dtype=self.dtype,
             quantization=self.quantization,
             num_threads=self.threads,
+            **(
+                {}
+                if self.small_step_tokens is None
+                else {"small_step_tokens": self.small_step_tokens}
+            ),
             cache=CacheConfig(kv_cache_bytes=self.kv_cache_bytes),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -70,6 +76,11 @@ class AgentxOptions:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "offload": str(self.offload) if self.offload else None,
             "speculative": self._speculative().enabled,
+            **(
+                {}
+                if self.small_step_tokens is None
+                else {"small_step_tokens": self.small_step_tokens}
+            ),
             **({"scheduler": dict(self.scheduler_options)} if self.scheduler_options else {}),
         }
 

@@ -31,6 +31,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="GGUF file or HF folder; 'default' or omitted: the embedded SmolLM2-135M-Instruct",
     )
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--small-step-tokens",
+        type=int,
+        default=None,
+        help="steps of at most this many tokens run on one thread (default: EngineConfig's)",
+    )
     p.add_argument("--backend", default="agentx", choices=("agentx", "vllm"))
     p.add_argument(
         "--vllm-compile",
@@ -171,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         decode_step_target_ms=args.decode_step_target_ms,
         scheduler_options=_scheduler_options(args.scheduler),
         speculative=None if args.speculative is None else args.speculative == "on",
+        small_step_tokens=args.small_step_tokens,
     )
     asyncio.run(serve(AgentxEngine(options), out))
 

@@ -79,6 +79,10 @@ class ModelRunner:
             tuple(isinstance(g.spec, LinearStateSpec) for g in self.layout.groups),
         )
         self.decode_graphs: DecodeGraphs | None = None
+        # threads per step on CPU (EngineConfig.small_step_tokens): one for a small step, else
+        # the count of the thread that built the runner (the loop thread inherits it)
+        self.num_threads = torch.get_num_threads()
+        self.step_threads: int | None = None  # what the last step ran on
 
     @torch.inference_mode()
     def capture_decode_graphs(self) -> bool:
@@ -115,6 +119,15 @@ class ModelRunner:
             and graphs.bucket(len(out.scheduled)) is not None
             and all(len(it.token_ids) == 1 and it.sample for it in out.scheduled)
         )
+
+    def _set_step_threads(self, num_tokens: int) -> None:
+        if self.device.type != "cpu":
+            return
+        small = num_tokens <= self.config.small_step_tokens
+        threads = 1 if small else self.num_threads
+        if threads != self.step_threads:  # per thread (OpenMP): the calling loop thread's
+            torch.set_num_threads(threads)
+            self.step_threads = threads
 
     def _run_model(self, out: SchedulerOutput, batch: BatchInputs) -> torch.Tensor | None:
         """Logits of the rows that sample (None when none does): a graph replay for a decode
@@ -209,6 +222,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
+        self._set_step_threads(out.num_scheduled_tokens)
         batch = self.input_batch.prepare(out)
         logits = self._run_model(out, batch)
         if logits is None:

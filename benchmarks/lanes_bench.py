@@ -48,6 +48,7 @@ def run_one(args, trace, prompts, lanes: bool) -> dict:
         model=args.model,
         threads=args.threads,
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+        quantization=args.quantization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduler_options=scheduler,
     )
@@ -131,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2)")
     p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "auto", "int8", "int4"),
+        help="none (fp32, as prefill_share_bench.py) or the worker's auto",
+    )
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-progress", action="store_true")

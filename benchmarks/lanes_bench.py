@@ -12,7 +12,8 @@ rotating each round so slow drift of the machine favours neither.
     python benchmarks/lanes_bench.py --json lanes.json                 # the default sizes
     python benchmarks/lanes_bench.py --cold-tokens 7680 --rounds 2     # longer cold prompts
     python benchmarks/lanes_bench.py --warm-sessions 2 --warm-turns 3 --cold-sessions 1 \\
-        --cold-tokens 2048 --cold-delay 1 --warm-think 0.3             # smoke (about a minute)
+        --system-tokens 512 --cold-tokens 2048 --cold-threshold 1024 --cold-delay 2 \\
+        --warm-think 0.3                                               # smoke (about a minute)
 
 Every prompt plus its output must fit the model's context (SmolLM2-135M: 8,192 tokens), so
 ``--cold-tokens`` is at most 8,192 minus ``--cold-output``. Timings mean something only on an
@@ -55,7 +56,20 @@ def run_one(args, trace, prompts, lanes: bool) -> dict:
     num_sessions = len(trace.sessions)
     config = ReplayConfig(num_sessions, trace.meta["max_think"], progress=not args.no_progress)
     result = asyncio.run(run_point(lambda: AgentxEngine(options), trace, config, prompts))
-    return {"lanes": lanes, **scheduler, **summarize(result)}
+    requests = [
+        {
+            "id": r.request_id,
+            "kind": request_kind(r),
+            "submit": round(r.submit_time, 3),
+            "ttft": None if r.ttft is None else round(r.ttft, 3),
+            "end": round(r.end_time, 3),
+            "cached": r.num_cached_tokens,
+        }
+        for r in result.records
+    ]
+    stats = result.engine_stats or {}
+    row = {"lanes": lanes, **scheduler, **summarize(result), "num_steps": stats.get("num_steps")}
+    return {**row, "requests": requests}
 
 
 def summarize(result: RunResult) -> dict:
@@ -124,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cold-threshold",
         type=int,
-        default=1024,
-        help="cold_prefill_tokens with lanes on (default 1024: above a warm turn's new tokens)",
+        default=2048,
+        help="cold_prefill_tokens with lanes on (default 2048, a step's budget: above a warm "
+        "turn's and a warm-up's uncached tokens, below a cold turn's)",
     )
     p.add_argument("--share", type=float, default=0.25, help="cold_prefill_share with lanes on")
     p.add_argument("--rounds", type=int, default=1)
@@ -141,7 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, help="write the rows and the trace's config here")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write the rows (with every request's times) and the trace here",
+    )
     return p
 
 
@@ -166,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     mixed = mixed_config(args)
     mixed.check_fits(args.max_model_len)
+    if args.cold_tokens <= args.cold_threshold:
+        raise SystemExit(
+            f"--cold-tokens {args.cold_tokens} must exceed --cold-threshold {args.cold_threshold}"
+            " (or no turn joins the cold lane)"
+        )
     trace = mixed_trace(mixed)
     trace = replace(trace, meta={**trace.meta, "max_think": mixed.max_think})
     print(
@@ -181,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         for lanes in (False, True) if k % 2 == 0 else (True, False):
             print(f"[lanes] {'on' if lanes else 'off'}", file=sys.stderr)
             rows.append(run_one(args, trace, prompts, lanes))
-            print(json.dumps(rows[-1]), file=sys.stderr)
+            print(
+                json.dumps({k: v for k, v in rows[-1].items() if k != "requests"}), file=sys.stderr
+            )
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:

@@ -44,7 +44,7 @@ class MixedConfig:
     num_cold_sessions: int = 3
     cold_tokens: int = 6144
     cold_output_tokens: int = 8
-    cold_delay: float = 4.0  # seconds before the first cold turn
+    cold_delay: float = 8.0  # seconds before the first cold turn (the warm-ups are done)
     cold_interval: float = 10.0  # seconds between cold turns
     block_size: int = 64
 

@@ -1,11 +1,13 @@
 """``agentx bench saturate``: buckets from a trace, probe arithmetic, the P/D prediction on a
 hand-made profile, CLI errors, and one end-to-end run on the fake engine."""
 
+import asyncio
 import json
 
 import pytest
 
 from agentx.bench.cli import bench_main
+from agentx.bench.fake_engine import FakeEngine
 from agentx.bench.format_agentx import dump_agentx
 from agentx.bench.pd_model import (
     RequestDemand,
@@ -14,8 +16,10 @@ from agentx.bench.pd_model import (
     predict_pd,
     trace_demand,
 )
+from agentx.bench.prompts import PromptBuilder
 from agentx.bench.saturate import (
     PROFILE_KIND,
+    Prober,
     SaturateConfig,
     at_floor,
     cached_prefix_tokens,
@@ -235,3 +239,16 @@ def test_saturate_end_to_end_on_the_fake_engine(tmp_path):
     text = (out / "saturation.md").read_text()
     assert text.startswith("# agentx bench saturate: t\n")
     assert "| 896 | 50% | 448 (50%) | 3 |" in text
+
+
+@pytest.mark.parametrize(("distinct", "num_cached"), [(False, 3 * 192), (True, 0)])
+def test_decode_probe_shares_all_but_the_last_block_unless_distinct(distinct, num_cached):
+    config = SaturateConfig(decode_tokens=3, distinct_contexts=distinct)
+    engine = FakeEngine()
+    prober = Prober(engine, PromptBuilder(64), config)
+    row = asyncio.run(prober.decode(3, 256))
+    assert (row["batch"], row["context_tokens"]) == (3, 256)
+    assert row["num_cached_reported"] == num_cached
+    # one request warms the shared 192 tokens, then the batch of 3
+    starts = [rid for event, rid, _ in engine.log if event == "start"]
+    assert len(starts) == (3 if distinct else 4)

@@ -124,6 +124,11 @@ def _add_saturate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="the model's context"
     )
+    p.add_argument(
+        "--distinct-contexts",
+        action="store_true",
+        help="decode probes: a context of its own per request (default: shared but the last block)",
+    )
     p.add_argument("--no-plots", action="store_true")
 
 
@@ -313,6 +318,7 @@ def cmd_saturate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             max_requests=args.max_requests,
             interactivity_floor=args.interactivity_floor,
             max_context=args.max_context,
+            distinct_contexts=args.distinct_contexts,
         )
     except ConfigError as exc:
         parser.error(str(exc))

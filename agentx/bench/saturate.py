@@ -13,8 +13,9 @@ whole blocks and clipped to the model's context.
   last first token (``computed_tokens_per_s``), and the same with the cached part counted
   (``prompt_tokens_per_s``).
 - Decode probe (batch ``B`` x context ``C``): ``B`` requests of ``C`` prompt tokens that share
-  all but their last block (prefilled once: the probe measures decode, not prefill) each
-  generate ``decode_tokens``. Rate: output tokens per second while all ``B`` decode (from the
+  all but their last block (prefilled once: the probe measures decode, not prefill; with
+  ``distinct_contexts`` each has its own, which a CPU's caches cannot share) each generate
+  ``decode_tokens``. Rate: output tokens per second while all ``B`` decode (from the
   last first token to the first last token), and per-request interactivity (output tokens/s
   after the first token, P50 and P90 as in :mod:`agentx.bench.metrics`).
 - At the floor: per context, the best decode rate among batches whose interactivity P90 is at
@@ -53,6 +54,9 @@ class SaturateConfig:
     max_requests: int = 64  # requests per prefill probe at most
     interactivity_floor: float = 5.0  # tokens/s per request
     max_context: int = 8192  # the model's context: buckets are clipped to fit it
+    # decode probes: every request its own context (prefilled in full; slow on a CPU) instead
+    # of all but the last block shared (shared blocks may stay in a CPU's caches between reads)
+    distinct_contexts: bool = False
 
     def __post_init__(self) -> None:
         if not self.quantiles or not all(0 <= q <= 1 for q in self.quantiles):
@@ -182,7 +186,7 @@ class Prober:
 
     async def decode(self, batch: int, context_tokens: int) -> dict:
         scope = f"saturate/decode/{batch}/{context_tokens}"
-        shared = max(0, context_tokens - self.block_size)
+        shared = 0 if self.config.distinct_contexts else max(0, context_tokens - self.block_size)
         await self._warm(scope, shared)
         n_out = self.config.decode_tokens
         requests = [
@@ -192,6 +196,7 @@ class Prober:
         done = await asyncio.gather(*(_drain(self.adapter, r, t0) for r in requests))
         times = [d.token_times for d in done if d.token_times]
         rates = [(len(t) - 1) / (t[-1] - t[0]) for t in times if len(t) > 1 and t[-1] > t[0]]
+        reported = [d.num_cached for d in done if d.num_cached is not None]
         return {
             "batch": batch,
             "context_tokens": context_tokens,
@@ -199,6 +204,7 @@ class Prober:
             "interactivity_p50": percentile(rates, 0.5),
             "interactivity_p90": percentile(rates, 0.1),
             "ttft_p50": percentile([t[0] for t in times], 0.5),
+            "num_cached_reported": sum(reported) if reported else None,
         }
 
 

@@ -5,6 +5,7 @@
     format_agentx.py                the SemiAnalysis AgentX ("weka") JSON format, read and write
     format_mooncake.py, loader.py   the Mooncake FAST'25 JSONL format; load either
     synth.py                        synthetic traces with the published statistics, --scale
+    mixed.py                        a fixed trace of cold long first turns among warm turns (lanes)
     prompts.py                      hash ids -> deterministic token blocks
     adapter.py                      EngineAdapter (the ABC the replay drives) and its records
     fake_engine.py, agentx_engine.py, worker_engine.py   fake, in-process agentx, subprocess
@@ -14,6 +15,8 @@
     replay.py, sweep.py             one replay; engines x concurrencies
     records.py, metrics.py          what was measured; TPGS, TTFT, interactivity, hit rates
     results.py, report.py, plots.py JSON results, Markdown, PNG plots
+    saturate.py, saturate_report.py prefill-only / decode-only max tokens/s (``saturate``)
+    pd_model.py                     xPyD vs colocated throughput predicted from that profile
     cli.py                          ``agentx bench`` / ``python -m agentx.bench``
 
 Nothing in ``agentx`` imports this package; it imports the engine like any user would.

@@ -1,12 +1,14 @@
-"""``agentx bench`` / ``python -m agentx.bench``: synth, run, compare, plot.
+"""``agentx bench`` / ``python -m agentx.bench``: synth, run, compare, saturate, plot.
 
     agentx bench synth -o trace.jsonl [--sessions 8 --scale 0.05 --max-context 8192 --seed 0]
     agentx bench run [TRACE] [--engine agentx-inproc] [--concurrency 2,8] [--out DIR]
     agentx bench compare [TRACE] --engines agentx,vllm [--concurrency 2,8] [--out DIR]
+    agentx bench saturate TRACE --out DIR [--engines agentx] [--batches 1,4,16]
     agentx bench plot DIR/results.json [--out DIR]
 
 Without TRACE, ``run`` and ``compare`` synthesize the default scaled trace. Results go to
-``DIR/results.json`` (rewritten after every point), ``DIR/results.md`` and ``DIR/*.png``.
+``DIR/results.json`` (rewritten after every point), ``DIR/results.md`` and ``DIR/*.png``;
+``saturate``'s to ``DIR/saturation.json`` (:mod:`agentx.bench.saturate`), ``.md`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     _add_synth_args(p)
     p.add_argument("--concurrency", default="8", help="comma-separated sweep, e.g. 2,8")
     p.add_argument("--max-think", type=float, default=5.0, help="cap on think time, seconds")
+    _add_engine_args(p)
+    p.add_argument(
+        "--floor",
+        type=float,
+        default=5.0,
+        help="interactivity floor for TPGS-at-floor, tokens/s (default 5)",
+    )
+    p.add_argument("--out", default="bench-results", help="output folder")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2-135M)")
     p.add_argument(
         "--peer-model",
@@ -64,14 +79,56 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="agentx's token budget per step, i.e. its prefill chunk (default 2048)",
     )
+
+
+def _numbers(kind: type, low: float, high: float | None = None):
+    """An argparse type: comma-separated ``kind`` values in ``[low, high]``."""
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a list of {kind.__name__}: {text!r}") from None
+        bad = [v for v in values if v < low or (high is not None and v > high)]
+        if not values or bad:
+            span = f"[{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"values must be {span}, got {text!r}")
+        return values
+
+    return parse
+
+
+def _add_saturate_args(p: argparse.ArgumentParser) -> None:
+    from agentx.bench.saturate import SaturateConfig
+
+    d = SaturateConfig()
+    p.add_argument("trace", help="trace file (.json/.jsonl): its lengths choose the buckets")
+    p.add_argument("--out", required=True, help="folder for saturation.json / .md / .png")
+    p.add_argument("--engines", default="agentx", help="comma-separated engine specs")
+    _add_engine_args(p)
+    floats01, ints = _numbers(float, 0.0, 1.0), _numbers(int, 1)
+    p.add_argument("--quantiles", type=floats01, default=d.quantiles, help="default 0.1,0.5,0.9")
+    p.add_argument("--prompt-lengths", type=ints, default=None, help="instead of the trace's")
+    p.add_argument("--cached-fractions", type=floats01, default=None, help="instead of the trace's")
+    p.add_argument("--contexts", type=ints, default=None, help="decode contexts instead")
+    p.add_argument("--batches", type=ints, default=d.batches, help="decode batches (1,4,16)")
+    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens)
     p.add_argument(
-        "--floor",
-        type=float,
-        default=5.0,
-        help="interactivity floor for TPGS-at-floor, tokens/s (default 5)",
+        "--prefill-tokens",
+        type=int,
+        default=d.prefill_tokens,
+        help=f"uncached tokens per prefill probe (default {d.prefill_tokens})",
     )
-    p.add_argument("--out", default="bench-results", help="output folder")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--max-requests", type=int, default=d.max_requests)
+    p.add_argument("--interactivity-floor", type=float, default=d.interactivity_floor)
+    p.add_argument(
+        "--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="the model's context"
+    )
+    p.add_argument(
+        "--distinct-contexts",
+        action="store_true",
+        help="decode probes: a context of its own per request (default: shared but the last block)",
+    )
     p.add_argument("--no-plots", action="store_true")
 
 
@@ -91,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="replay a trace on several engines")
     _add_run_args(c)
     c.add_argument("--engines", default="agentx", help="comma-separated engine specs")
+    sat = sub.add_parser("saturate", help="prefill-only and decode-only max tokens/s per engine")
+    _add_saturate_args(sat)
     pl = sub.add_parser("plot", help="re-render plots and the Markdown table from results")
     pl.add_argument("results", help="results.json")
     pl.add_argument("--out", default=None, help="folder (default: next to the results)")
@@ -140,15 +199,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
+def make_engines(args: argparse.Namespace, specs: list[str]):
+    """(name -> adapter factory, the shared EngineSettings, the prompts' TokenSpace)."""
     from agentx.bench import engines as eng
-    from agentx.bench.loader import load_trace
-    from agentx.bench.prompts import PromptBuilder, TokenSpace
-    from agentx.bench.results import Results, make_header
-    from agentx.bench.sweep import run_sweep
+    from agentx.bench.prompts import TokenSpace
 
-    trace = load_trace(args.trace) if args.trace else synth_trace(args)
-    stats = print_stats(trace)
     needs_model = any(eng.engine_name(s) != "fake" for s in specs)
     model = eng.resolve_model(args.model) if needs_model else (args.model or "")
     peer_models = dict(item.split("=", 1) for item in args.peer_model)
@@ -163,6 +218,18 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
     )
     factories = {eng.engine_name(s): eng.make_engine(s, settings) for s in specs}
     space = eng.token_space_for_model(model) if needs_model else TokenSpace.default()
+    return factories, settings, space
+
+
+def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
+    from agentx.bench.loader import load_trace
+    from agentx.bench.prompts import PromptBuilder
+    from agentx.bench.results import Results, make_header
+    from agentx.bench.sweep import run_sweep
+
+    trace = load_trace(args.trace) if args.trace else synth_trace(args)
+    stats = print_stats(trace)
+    factories, settings, space = make_engines(args, specs)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,8 +294,61 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return _render(results, out, floor, True)
 
 
+def _log(name: str, line: str) -> None:
+    print(f"[saturate] {name}: {line}", file=sys.stderr)
+
+
+def cmd_saturate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import asyncio
+    from dataclasses import replace
+    from functools import partial
+
+    from agentx.bench.loader import load_trace
+    from agentx.bench.prompts import PromptBuilder
+    from agentx.bench.saturate import SaturateConfig, derive_buckets, profile_engine, profile_json
+    from agentx.bench.saturate_report import write_profile
+    from agentx.errors import ConfigError
+
+    try:
+        config = SaturateConfig(
+            quantiles=args.quantiles,
+            batches=args.batches,
+            decode_tokens=args.decode_tokens,
+            prefill_tokens=args.prefill_tokens,
+            max_requests=args.max_requests,
+            interactivity_floor=args.interactivity_floor,
+            max_context=args.max_context,
+            distinct_contexts=args.distinct_contexts,
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    trace = load_trace(args.trace)
+    buckets = derive_buckets(trace, config)
+    overrides = {"prompt_tokens": args.prompt_lengths, "context_tokens": args.contexts}
+    overrides["cached_fractions"] = args.cached_fractions
+    buckets = replace(buckets, **{k: tuple(sorted(v)) for k, v in overrides.items() if v})
+    print(f"buckets: {buckets}", file=sys.stderr)
+    specs = [s.strip() for s in args.engines.split(",") if s.strip()]
+    factories, settings, space = make_engines(args, specs)
+    prompts = PromptBuilder(trace.block_size, space)
+    trace_info = {"id": trace.trace_id, "path": args.trace, "block_size": trace.block_size,
+                  "num_requests": trace.num_requests}  # fmt: skip
+    profiles = {}
+    for name, factory in factories.items():
+        log = partial(_log, name)
+        profiles[name] = asyncio.run(profile_engine(factory, buckets, prompts, config, log))
+    profile = profile_json(trace_info, config, buckets, profiles)
+    profile["settings"] = asdict(settings)
+    for path in write_profile(profile, Path(args.out), plots=not args.no_plots):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def bench_main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "saturate":
+        return cmd_saturate(args, parser)
     if args.command == "synth":
         return cmd_synth(args)
     if args.command == "run":
@@ -242,6 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     """The ``agentx`` console script: ``agentx bench ...``."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "bench":
-        print("usage: agentx bench {synth,run,compare,plot} ...", file=sys.stderr)
+        print("usage: agentx bench {synth,run,compare,saturate,plot} ...", file=sys.stderr)
         return 2
     return bench_main(argv[1:])

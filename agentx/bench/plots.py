@@ -1,5 +1,6 @@
 """PNG plots of a results file (matplotlib, Agg backend, imported only when plotting):
-TPGS vs concurrency, interactivity P50 vs TPGS, TTFT CDF, hit rate per engine."""
+TPGS vs concurrency, interactivity P50 vs TPGS, TTFT CDF, hit rate per engine; and a
+saturation profile's prefill and decode rates (``plot_saturation``)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,36 @@ def _hit_rate(ax, results: Results) -> None:
     ax.set_xticks(xs, [f"{m.engine}\nc={m.concurrency}" for m in metrics], fontsize=7)
     ax.set(ylabel="prefix hit rate", ylim=(0, 1), title="prefix cache hit rate")
     ax.legend()
+
+
+def plot_saturation(profile: dict, path: str | Path) -> Path:
+    """A saturation profile (:mod:`agentx.bench.saturate`): prefill computed tokens/s by prompt
+    length (a line per engine and cached fraction), and decode tokens/s against interactivity
+    P90 (a line per engine and context, a point per batch; the floor dashed)."""
+    plt = _pyplot()
+    fig, (pre, dec) = plt.subplots(1, 2, figsize=(11, 4))
+    floor = profile["config"]["interactivity_floor"]
+    for engine, part in profile["engines"].items():
+        for fraction in sorted({p["cached_fraction"] for p in part["prefill"]}):
+            ps = [p for p in part["prefill"] if p["cached_fraction"] == fraction]
+            xs, ys = [p["prompt_tokens"] for p in ps], [p["computed_tokens_per_s"] for p in ps]
+            pre.plot(xs, ys, marker="o", label=f"{engine}, {fraction:.0%} cached")
+        for context in sorted({d["context_tokens"] for d in part["decode"]}):
+            ds = [d for d in part["decode"] if d["context_tokens"] == context]
+            ds = [d for d in ds if d["interactivity_p90"] is not None]
+            xs, ys = [d["interactivity_p90"] for d in ds], [d["tokens_per_s"] for d in ds]
+            dec.plot(xs, ys, marker="o", label=f"{engine}, {context} tokens")
+            for d in ds:
+                dec.annotate(f"B={d['batch']}", (d["interactivity_p90"], d["tokens_per_s"]),
+                             fontsize=6)  # fmt: skip
+    pre.set(xlabel="prompt tokens", ylabel="computed tokens/s", title="prefill-only")
+    dec.axvline(floor, linestyle="--", color="grey")
+    dec.set(xlabel="interactivity P90 (tok/s/request)", ylabel="output tokens/s",
+            title="decode-only (point per batch)")  # fmt: skip
+    for ax in (pre, dec):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -69,7 +69,7 @@ class SynthConfig:
         return max(1, round(n * math.sqrt(self.scale)))
 
 
-class _Context:
+class BlockContext:
     """A growing prompt as blocks: full blocks keep their ids, the partial tail is re-minted."""
 
     def __init__(self, mint: itertools.count, block_size: int) -> None:
@@ -93,8 +93,8 @@ class _Context:
             self.full.extend(next(self._mint) for _ in range(num_full))
         self.tail_id = next(self._mint) if self.tail_size else None
 
-    def fork(self) -> _Context:
-        other = _Context(self._mint, self.block_size)
+    def fork(self) -> BlockContext:
+        other = BlockContext(self._mint, self.block_size)
         other.full, other.tail_id, other.tail_size = list(self.full), self.tail_id, self.tail_size
         return other
 
@@ -109,7 +109,7 @@ class _SessionBuilder:
     def lognormal(self, median: float, sigma: float) -> float:
         return self.rng.lognormvariate(math.log(median), sigma)
 
-    def request(self, ctx: _Context, first: bool) -> TraceRequest | None:
+    def request(self, ctx: BlockContext, first: bool) -> TraceRequest | None:
         c = self.c
         out = max(
             c.min_output_tokens, c.tokens(self.lognormal(c.median_output_tokens, c.output_sigma))
@@ -139,7 +139,7 @@ class _SessionBuilder:
         c = self.c
         return c.tokens(self.lognormal(c.median_tool_result_tokens, c.tool_result_sigma))
 
-    def agent(self, ctx: _Context, num_turns: int, spawn_at: int | None) -> list[Step]:
+    def agent(self, ctx: BlockContext, num_turns: int, spawn_at: int | None) -> list[Step]:
         steps: list[Step] = []
         for turn in range(num_turns):
             request = self.request(ctx, first=turn == 0)
@@ -154,7 +154,7 @@ class _SessionBuilder:
                 ctx.append(self.tool_result())
         return steps
 
-    def subagents(self, ctx: _Context) -> list[Subagent]:
+    def subagents(self, ctx: BlockContext) -> list[Subagent]:
         c, start = self.c, self.clock
         count = max(1, round(self.lognormal(c.median_subagents, c.subagents_sigma)))
         group, end = [], start
@@ -177,7 +177,7 @@ class _SessionBuilder:
 def synthesize(config: SynthConfig | None = None) -> Trace:
     c = config or SynthConfig()
     mint = itertools.count(1)
-    shared = _Context(mint, c.block_size)
+    shared = BlockContext(mint, c.block_size)
     shared.append(c.tokens(c.system_tokens) + c.tokens(c.tool_tokens))
     sessions = []
     for i in range(c.num_sessions):

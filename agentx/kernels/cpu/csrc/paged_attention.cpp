@@ -102,6 +102,40 @@ inline __m256 tail_mask(int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
 }
 
+// Brings blocks into L2 ahead of their reads, a few cache lines at a time from inside the
+// value loops: the hardware prefetcher does not follow the block table, and a burst of hundreds
+// of prefetches at once stalls the core until memory answers them (the FMAs then wait instead
+// of overlapping the transfer). `want`: lines to issue per call.
+struct Prefetcher {
+  const char* cache = nullptr;
+  int64_t block_bytes = 0;  // one block's K and V, contiguous
+  int64_t stride_bytes = 0;  // block to block in the pool
+  const int64_t* table = nullptr;
+  int64_t next = 0;  // the block being fetched
+  int64_t offset = 0;  // bytes of it already asked for
+  int64_t limit = 0;  // fetch blocks below this
+  int64_t want = 0;
+
+  inline void step() {
+    for (int64_t i = 0; i < want && next < limit; ++i) {
+      _mm_prefetch(cache + table[next] * stride_bytes + offset, _MM_HINT_T1);
+      offset += 64;
+      if (offset >= block_bytes) {
+        offset = 0;
+        ++next;
+      }
+    }
+  }
+  inline void finish() {  // whatever the loops did not get to
+    while (next < limit) {
+      const int64_t w = want;
+      want = block_bytes;
+      step();
+      want = w;
+    }
+  }
+};
+
 constexpr int kMaxBlock = 256;
 constexpr int kScoreStride = kMaxBlock + 8;
 
@@ -140,7 +174,7 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
 // dims at a time so each V load serves every head; per element the FMA chain runs t = 0, 1, ...
 template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
-                       const float* correction, State* const* st) {
+                       const float* correction, State* const* st, Prefetcher* pf) {
   for (int s = 0; s < D; s += 32) {
     __m256 acc[NH][4];
     for (int h = 0; h < NH; ++h) {
@@ -148,6 +182,7 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
       for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(st[h]->acc + s + 8 * j), c);
     }
     for (int64_t t = 0; t < count; ++t) {
+      pf->step();
       const T* v = vb + t * ts + s;
       const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
       for (int h = 0; h < NH; ++h) {
@@ -222,7 +257,7 @@ AGENTX_AVX512 void row_scores_avx512(const float* q, const T* kb, int64_t count,
 // row_values, 64 dims a pass (16 a register)
 template <typename T, int D, int NH>
 AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t count, int64_t ts,
-                                     const float* correction, State* const* st) {
+                                     const float* correction, State* const* st, Prefetcher* pf) {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
   for (int s = 0; s < D; s += 64) {
     __m512 acc[NH][4];
@@ -233,6 +268,7 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
       }
     }
     for (int64_t t = 0; t < count; ++t) {
+      pf->step();
       const T* v = vb + t * ts + s;
       const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
       for (int h = 0; h < NH; ++h) {
@@ -263,7 +299,7 @@ struct Segment {
 // (their correction is 1, exact).
 template <typename T, int D, int NH, bool Wide>
 inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
-                       float scale, float* score, State* const* st) {
+                       float scale, float* score, State* const* st, Prefetcher* pf) {
   for (int64_t off = 0, s = 0; off < count; ++s) {
     const int64_t n = std::min(segs[s].count, count - off);
     if constexpr (Wide) {
@@ -300,9 +336,9 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
     const int64_t n = std::min(segs[s].count, count - off);
     const float* c = off == 0 ? correction : ones;
     if constexpr (Wide) {
-      row_values_avx512<T, D, NH>(score + off, segs[s].v, n, ts, c, st);
+      row_values_avx512<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
     } else {
-      row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st);
+      row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
     }
     off += n;
   }
@@ -316,32 +352,19 @@ inline void head_segments(const Segment<T>* segs, int64_t nsegs, int64_t head, S
 
 template <typename T, int D, bool Wide>
 inline void fold_heads(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
-                       float scale, float* score, State* st, int64_t group) {
+                       float scale, float* score, State* st, int64_t group, Prefetcher* pf) {
   State* ptrs[3];
   for (int64_t g = 0; g < group; g += 3) {
     const int64_t nh = std::min<int64_t>(3, group - g);
     for (int64_t h = 0; h < nh; ++h) ptrs[h] = st + g + h;
     const float* qg = q + g * D;
     if (nh == 3) {
-      fold_chunk<T, D, 3, Wide>(qg, segs, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 3, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
     } else if (nh == 2) {
-      fold_chunk<T, D, 2, Wide>(qg, segs, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 2, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
     } else {
-      fold_chunk<T, D, 1, Wide>(qg, segs, count, ts, scale, score, ptrs);
+      fold_chunk<T, D, 1, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
     }
-  }
-}
-
-// Bring one block's K and V rows (every KV head: `width` elements a token) towards the core:
-// blocks sit at random addresses, so the hardware prefetcher cannot guess the next one.
-template <typename T, int Hint>
-inline void prefetch_block(const T* kb, int64_t count, int64_t width, int64_t block_stride_tokens) {
-  const char* k = reinterpret_cast<const char*>(kb);
-  const char* v = reinterpret_cast<const char*>(kb + block_stride_tokens * width);
-  const int64_t bytes = count * width * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < bytes; i += 64) {
-    _mm_prefetch(k + i, static_cast<_mm_hint>(Hint));
-    _mm_prefetch(v + i, static_cast<_mm_hint>(Hint));
   }
 }
 
@@ -358,7 +381,8 @@ inline void widen(const at::BFloat16* src, int64_t n, float* dst) {
 // per-chunk work (max, exps, rescaling) is paid once per 64 keys, not once per block.
 constexpr int64_t kChunkTokens = 64;
 constexpr int64_t kMaxSegments = kChunkTokens + 1;
-// chunks fetched into L2 ahead of the one being read (2 streamed ~5% faster than 1 or 4 here)
+// chunks fetched into L2 ahead of the one being read (2 beat 1 and 4 on the Zen 4 box, with the
+// prefetches spread over the value loops: docs/BENCHMARKS.md, "Decode attention from DRAM")
 constexpr int64_t kAheadChunks = 2;
 
 // Keys [lo, ends[tile_rows - 1]) for a tile of rows (ends[r]: row r's last key + 1,
@@ -385,16 +409,29 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   const int64_t hi = ends[tile_rows - 1];
   Segment<T> segs[kMaxSegments], head_segs[kMaxSegments];
   Segment<float> wsegs[1], whead[1];
-  // blocks are fetched into L2 a chunk ahead of the one being read (the hardware prefetcher
-  // does not follow the block table); `fetched`: the first block not asked for yet
-  int64_t fetched = lo / block_size;
+  // blocks are fetched into L2 kAheadChunks ahead of the chunk being read (the hardware
+  // prefetcher does not follow the block table), a few lines per key of the value loops
   const int64_t num_blocks = (hi - 1) / block_size + 1;
+  Prefetcher pf;
+  pf.cache = reinterpret_cast<const char*>(cache);
+  pf.block_bytes = 2 * block_size * token_stride * static_cast<int64_t>(sizeof(T));
+  pf.stride_bytes = block_stride * static_cast<int64_t>(sizeof(T));
+  pf.table = table;
+  pf.next = lo / block_size;
   for (int64_t start = lo; start < hi;) {
     const int64_t end = std::min(hi, (start / chunk + 1) * chunk);
     const int64_t ahead = std::min(num_blocks, ((end + kAheadChunks * chunk - 1) / block_size) + 1);
-    for (; fetched < ahead; ++fetched) {
-      prefetch_block<T, _MM_HINT_T1>(cache + table[fetched] * block_stride, block_size,
-                                     token_stride, block_size);
+    pf.finish();  // the previous chunk's share, if its loops ran short
+    pf.limit = ahead;
+    {
+      // spread this chunk's share over its value loops: keys x heads x rows calls
+      const int64_t lines = ((ahead - pf.next) * pf.block_bytes - pf.offset + 63) / 64;
+      int64_t calls = 0;
+      for (int64_t r = 0; r < tile_rows; ++r) {
+        calls += std::max<int64_t>(0, std::min(end, ends[r]) - start);
+      }
+      calls *= num_kv_heads * ((group + 2) / 3) * (Wide ? D / 64 : D / 32);
+      pf.want = calls > 0 ? (lines + calls - 1) / calls : lines;
     }
     int64_t nsegs = 0;
     for (int64_t t = start; t < end;) {
@@ -423,10 +460,12 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
         State* st = states + r * heads + h * group;
         if (widened) {
           head_segments<float>(wsegs, 1, h * D, whead);
-          fold_heads<float, D, Wide>(qh, whead, count, token_stride, scale, score, st, group);
+          fold_heads<float, D, Wide>(qh, whead, count, token_stride, scale, score, st, group,
+                                     &pf);
         } else {
           head_segments<T>(segs, nsegs, h * D, head_segs);
-          fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group);
+          fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group,
+                                 &pf);
         }
       }
     }

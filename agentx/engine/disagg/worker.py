@@ -104,6 +104,7 @@ class ServedEngine:
             try:
                 result = getattr(self, call.method)(*call.args)
             except Exception as exc:  # noqa: BLE001 - the caller raises it
+                result = None
                 self._send(InstanceReply(call.call_id, error=_picklable(exc)))
             else:
                 self._send(InstanceReply(call.call_id, result))

@@ -242,7 +242,10 @@ class DisaggConfig:
 
     num_prefill: int = 1
     num_decode: int = 1
-    local_prefill_tokens: int = 256
+    # 64: past it a local prefill stalled D's running decodes ~2x a decode step and more
+    # (0.10 s at 64 new tokens, 0.28 s at 256, vs 0.05 s with the hand-over), while a hand-over
+    # of a short turn costs about what its prefill does (docs/BENCHMARKS.md, a loaded 2-core box)
+    local_prefill_tokens: int = 64
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode"):

@@ -21,7 +21,7 @@ from agentx.config import DisaggConfig, OffloadConfig, ParallelConfig, Speculati
 from agentx.engine.disagg import DisaggCoordinator
 from agentx.engine.offload import mooncake_master as launcher
 from agentx.engine.request import RequestOptions
-from agentx.errors import InstanceDeadError, InvalidRequestError
+from agentx.errors import InstanceDeadError, InvalidRequestError, RequestAbortedError
 
 BASE = EngineConfig(
     cache=CacheConfig(num_blocks=64),
@@ -165,6 +165,33 @@ def test_session_turns_take_both_sides_of_the_threshold_and_equal_colocated(pd, 
     with pytest.raises(InvalidRequestError, match="holds KV per session"):
         pd.add_request(p3, greedy(2), options=RequestOptions(hold_kv=True))
     pd.end_session("s")
+    assert_no_kv_left(pd)
+
+
+def test_aborts_end_requests_wherever_they_are_and_leave_no_kv(pd, colocated):
+    prompt = tokens(colocated, "Count slowly to a thousand: ", 24)
+    stream = pd.add_request(prompt, greedy(400))
+    while len(stream.token_ids) < 2:  # the first token from P, then D's
+        stream.get(timeout=300)
+    pd.abort(stream.request_id)
+    with pytest.raises(RequestAbortedError):
+        stream.result(timeout=300)
+    assert_no_kv_left(pd)
+
+    # a session's turn aborted on D: the session's KV went with it, its next turn is cold
+    t1 = pd.add_request(prompt, greedy(4), session_id="ab").result(timeout=300)
+    p2 = prompt + t1.token_ids + [13]
+    stream = pd.add_request(p2, greedy(400), session_id="ab")  # 2 new tokens: D-local
+    stream.get(timeout=300)
+    pd.abort(stream.request_id)
+    with pytest.raises(RequestAbortedError):
+        stream.result(timeout=300)
+    assert_no_kv_left(pd)
+    remote = pd.counters.num_remote_prefills
+    again = pd.add_request(p2, greedy(4), session_id="ab").result(timeout=300)
+    assert again.token_ids == reference(colocated, p2, 4)
+    assert pd.counters.num_remote_prefills == remote + 1
+    pd.end_session("ab")
     assert_no_kv_left(pd)
 
 

@@ -35,6 +35,7 @@ import multiprocessing
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -130,6 +131,7 @@ class DisaggCoordinator:
         self._ids = itertools.count()
         self._flights: dict[str, _Flight] = {}
         self._sessions: dict[str, _SessionKV] = {}
+        self._releases: set[futures.Future] = set()  # queued by _release_soon
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentx-handover")
         context = multiprocessing.get_context("spawn")  # fork would copy the caller's threads
@@ -300,6 +302,7 @@ class DisaggCoordinator:
         """Hand-over thread: P's KV (partial last block included) to D, then D decodes."""
         prefill, decode = self.prefill[flight.prefill], self.decode[flight.decode]
         rid = flight.request_id
+        handle = None
         try:
             try:
                 self._run_hook("export", flight)
@@ -320,6 +323,8 @@ class DisaggCoordinator:
                 if handle is not None:
                     self.counters.num_handover_tail_tokens += len(export.tail_token_ids)
         except BaseException as exc:  # noqa: BLE001 - every failure reaches the stream
+            if handle is not None:  # imported, never decoded (an abort, D refused it)
+                _quietly(decode.call, "release_held", handle)
             self._fail(flight, exc)
 
     def _run_hook(self, stage: str, flight: _Flight) -> None:
@@ -374,12 +379,28 @@ class DisaggCoordinator:
             if flight.session_id is not None and flight.stage in ("import", "decode"):
                 placed = self._sessions.pop(flight.session_id, None)  # spent or gone with D
         if placed is not None:
-            self._submit(_quietly, self.decode[placed.decode].call, "release_held", placed.handle)
+            self._release_soon(self.decode[placed.decode], placed.handle)
         if not isinstance(exc, AgentXError):
             error = EngineDeadError(f"the P/D hand-over of {flight.request_id} failed: {exc!r}")
             error.__cause__ = exc
             exc = error
         flight.stream.fail(exc)
+
+    def _release_soon(self, instance: EngineInstance, handle: str) -> None:
+        """Release held KV from a thread that may be the instance's reader (a sink): on the
+        pool. ``instance_stats`` and ``check_integrity`` wait for these first."""
+        try:
+            future = self._pool.submit(_quietly, instance.call, "release_held", handle)
+        except RuntimeError:  # closed: the instance is gone with its KV
+            return
+        with self._lock:
+            self._releases.add(future)
+        future.add_done_callback(self._releases.discard)
+
+    def _wait_for_releases(self) -> None:
+        with self._lock:
+            releases = list(self._releases)
+        futures.wait(releases)
 
     def _submit(self, fn: Callable, *args) -> None:
         try:
@@ -395,12 +416,14 @@ class DisaggCoordinator:
 
     def instance_stats(self) -> dict[str, EngineStats]:
         """Every live instance's EngineStats, by name ("prefill-0", "decode-0", ...)."""
+        self._wait_for_releases()
         return {i.name: i.call("stats") for i in self.instances if i.alive}
 
     def check_integrity(self) -> None:
         """A session's KV is held once, on a D instance; a session has one turn in flight at
         most; every live instance passes its own check; with nothing in flight every D
         instance holds exactly its sessions' KV and every P instance holds none."""
+        self._wait_for_releases()
         with self._lock:
             handles = [kv.handle for kv in self._sessions.values()]
             assert len(set(handles)) == len(handles), f"a held KV serves two sessions: {handles}"

@@ -239,6 +239,19 @@ def test_an_instance_killed_mid_hand_over_fails_its_request_and_the_rest_keep_se
         assert sorted(coordinator.instance_stats()) == ["decode-1", "prefill-1"]
         coordinator.end_session("s")
         assert_no_kv_left(coordinator)  # prefill-1 released what it exported for c
+
+        # D killed while it decodes: the request fails; with no D left a request fails at once
+        long = coordinator.add_request(other, greedy(400))
+        while len(long.token_ids) < 2:
+            long.get(timeout=300)
+        decode = coordinator.decode[1]
+        os.kill(decode.pid, signal.SIGKILL)
+        with pytest.raises(InstanceDeadError, match="decode-1"):
+            long.result(timeout=300)
+        with pytest.raises(InstanceDeadError, match="no decode instance is alive"):
+            coordinator.add_request(other, greedy(4))
+        assert coordinator.get_num_live_requests() == 0
+        assert_no_kv_left(coordinator)  # prefill-1: nothing used, nothing held
     finally:
         coordinator.close()
     assert [p for p in multiprocessing.active_children() if p.pid in pids] == []

@@ -8,7 +8,8 @@
 Calls are served one at a time on the main thread; each request's deltas are forwarded by a
 thread of its own (the Engine's streams block), so a long decode never delays a call. A request's
 deltas are sent after the reply to the call that added it. The process exits when told to
-close or when its pipe closes (the coordinator is gone): it never outlives its coordinator.
+close, when its pipe closes (the coordinator is gone: it never outlives it), or when its
+engine's loop crashes (the coordinator then sees a dead instance, as if it had been killed).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import RequestStream
-from agentx.errors import AgentXError
+from agentx.errors import AgentXError, EngineDeadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class InstanceFailure:
 
 
 CLOSE = "close"
+_EXIT_ENGINE_DEAD = 70
 
 
 def run_instance(config: EngineConfig, conn: Connection) -> None:
@@ -173,6 +175,10 @@ class ServedEngine:
                     return
         except BaseException as exc:  # noqa: BLE001 - the stream's end, sent as it is
             self._send(InstanceOutput(stream.request_id, None, _picklable(exc)))
+            if isinstance(exc, EngineDeadError):
+                # the engine loop crashed: this instance serves nothing any more, and its
+                # exit is what tells the coordinator (its other requests fail as it sees it)
+                os._exit(_EXIT_ENGINE_DEAD)
 
 
 def _picklable(exc: BaseException) -> BaseException:

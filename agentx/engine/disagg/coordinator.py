@@ -37,9 +37,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from agentx.config import DisaggConfig, EngineConfig
+from agentx.engine.disagg.flight import (
+    DisaggCounters,
+    Flight,
+    SessionKV,
+    call_quietly,
+    num_new_tokens,
+)
 from agentx.engine.disagg.instance import EngineInstance
 from agentx.engine.offload.mooncake_master import MooncakeMaster
 from agentx.engine.outputs import EngineStats, RequestOutput
@@ -59,41 +66,6 @@ from agentx.errors import (
 
 Prompt = str | Sequence[int]
 HandoverHook = Callable[[str, str], None]  # (stage: "export" | "import", request id)
-
-
-@dataclass(slots=True)
-class _SessionKV:
-    decode: int  # the D instance that holds it
-    handle: str  # its held KV there
-    token_ids: list[int]  # the tokens that KV covers
-
-
-@dataclass(slots=True, eq=False)
-class _Flight:
-    """One request on its way: prefill -> export -> import -> decode (a local turn: decode)."""
-
-    request_id: str
-    stream: RequestStream
-    prompt: list[int]
-    sampling: SamplingParams
-    options: RequestOptions
-    session_id: str | None
-    stage: str
-    prefill: int | None = None
-    decode: int | None = None
-    first: RequestOutput | None = None  # P's delta (a hand-over turn)
-    output_ids: list[int] = field(default_factory=list)
-    aborted: bool = False
-
-
-@dataclass(slots=True)
-class DisaggCounters:
-    num_remote_prefills: int = 0  # turns prefilled on a P instance
-    num_local_prefills: int = 0  # warm turns prefilled on the D instance holding their KV
-    num_handovers: int = 0  # hand-overs P -> D that reached D's decode
-    num_handover_tail_tokens: int = 0  # tokens of partial last blocks handed over
-    num_finished_on_prefill: int = 0  # ended at their first token (EOS, a stop, max_tokens=1)
-    num_failed: int = 0  # requests failed by an instance's death, an abort or a close
 
 
 class DisaggCoordinator:
@@ -129,8 +101,8 @@ class DisaggCoordinator:
         self.counters = DisaggCounters()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._flights: dict[str, _Flight] = {}
-        self._sessions: dict[str, _SessionKV] = {}
+        self._flights: dict[str, Flight] = {}
+        self._sessions: dict[str, SessionKV] = {}
         self._releases: set[futures.Future] = set()  # queued by _release_soon
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentx-handover")
@@ -202,7 +174,7 @@ class DisaggCoordinator:
         options: RequestOptions,
         session_id: str | None,
         request_id: str | None,
-    ) -> tuple[_Flight, _SessionKV | None]:
+    ) -> tuple[Flight, SessionKV | None]:
         """Under the lock: the new flight (its stage says the path) and the session's KV."""
         rid = request_id if request_id is not None else f"pd-{next(self._ids)}"
         if rid in self._flights:
@@ -216,10 +188,10 @@ class DisaggCoordinator:
             del self._sessions[session_id]  # its KV died with its instance: a cold turn
             placed = None
         stream = RequestStream(rid, prompt_ids)
-        flight = _Flight(rid, stream, prompt_ids, sampling, options, session_id, "prefill")
+        flight = Flight(rid, stream, prompt_ids, sampling, options, session_id, "prefill")
         if placed is not None:
             flight.decode = placed.decode
-            if _num_new_tokens(placed.token_ids, prompt_ids) <= self.disagg.local_prefill_tokens:
+            if num_new_tokens(placed.token_ids, prompt_ids) <= self.disagg.local_prefill_tokens:
                 flight.stage = "decode"
         if flight.stage == "prefill":
             flight.prefill = self._choose(self.prefill, "prefill")
@@ -253,18 +225,18 @@ class DisaggCoordinator:
             stage, prefill, decode = flight.stage, flight.prefill, flight.decode
         instance = self.prefill[prefill] if stage == "prefill" else self.decode[decode]
         if stage in ("prefill", "decode"):
-            _quietly(instance.call, "abort", request_id)
+            call_quietly(instance.call, "abort", request_id)
 
     def end_session(self, session_id: str) -> None:
         """The session ended: release its KV on its D instance."""
         with self._lock:
             placed = self._sessions.pop(session_id, None)
         if placed is not None:
-            _quietly(self.decode[placed.decode].call, "release_held", placed.handle)
+            call_quietly(self.decode[placed.decode].call, "release_held", placed.handle)
 
     # ---- the prefill side --------------------------------------------------------------------
 
-    def _start_prefill(self, flight: _Flight) -> None:
+    def _start_prefill(self, flight: Flight) -> None:
         sampling = replace(flight.sampling, max_tokens=1)
         options = replace(flight.options, hold_kv=True, held_kv=None)
         self.prefill[flight.prefill].add_request(
@@ -275,7 +247,7 @@ class DisaggCoordinator:
             lambda item: self._on_prefill(flight, item),
         )
 
-    def _on_prefill(self, flight: _Flight, item: RequestOutput | BaseException) -> None:
+    def _on_prefill(self, flight: Flight, item: RequestOutput | BaseException) -> None:
         """P's reader thread: the first token goes to the caller, then the hand-over."""
         if isinstance(item, BaseException):
             self._fail(flight, item)
@@ -291,14 +263,14 @@ class DisaggCoordinator:
         else:  # the turn ended at its first token
             self._submit(self._finish_on_prefill, flight, item)
 
-    def _finish_on_prefill(self, flight: _Flight, out: RequestOutput) -> None:
-        _quietly(self.prefill[flight.prefill].call, "release_held", flight.request_id)
+    def _finish_on_prefill(self, flight: Flight, out: RequestOutput) -> None:
+        call_quietly(self.prefill[flight.prefill].call, "release_held", flight.request_id)
         with self._lock:
             self._flights.pop(flight.request_id, None)  # a session keeps its KV on D: still valid
             self.counters.num_finished_on_prefill += 1
         flight.stream.put(out)
 
-    def _hand_over(self, flight: _Flight) -> None:
+    def _hand_over(self, flight: Flight) -> None:
         """Hand-over thread: P's KV (partial last block included) to D, then D decodes."""
         prefill, decode = self.prefill[flight.prefill], self.decode[flight.decode]
         rid = flight.request_id
@@ -311,7 +283,7 @@ class DisaggCoordinator:
                 flight.stage = "import"
                 handle = decode.call("import_held", export, None) if export is not None else None
             finally:
-                _quietly(prefill.call, "release_held", rid)  # the tier (and D) hold it now
+                call_quietly(prefill.call, "release_held", rid)  # the tier (and D) hold it now
             with self._lock:
                 placed = self._sessions.get(flight.session_id) if flight.session_id else None
             if placed is not None and placed.decode == flight.decode:
@@ -324,16 +296,16 @@ class DisaggCoordinator:
                     self.counters.num_handover_tail_tokens += len(export.tail_token_ids)
         except BaseException as exc:  # noqa: BLE001 - every failure reaches the stream
             if handle is not None:  # imported, never decoded (an abort, D refused it)
-                _quietly(decode.call, "release_held", handle)
+                call_quietly(decode.call, "release_held", handle)
             self._fail(flight, exc)
 
-    def _run_hook(self, stage: str, flight: _Flight) -> None:
+    def _run_hook(self, stage: str, flight: Flight) -> None:
         if self.handover_hook is not None:
             self.handover_hook(stage, flight.request_id)
 
     # ---- the decode side ---------------------------------------------------------------------
 
-    def _start_decode(self, flight: _Flight, prompt: list[int], held: str | None) -> None:
+    def _start_decode(self, flight: Flight, prompt: list[int], held: str | None) -> None:
         with self._lock:
             if flight.aborted:
                 raise RequestAbortedError(f"request {flight.request_id} was aborted")
@@ -345,32 +317,23 @@ class DisaggCoordinator:
             prompt, sampling, flight.request_id, options, lambda item: self._on_decode(flight, item)
         )
 
-    def _on_decode(self, flight: _Flight, item: RequestOutput | BaseException) -> None:
+    def _on_decode(self, flight: Flight, item: RequestOutput | BaseException) -> None:
         """D's reader thread: deltas to the caller, counted over the whole request."""
         if isinstance(item, BaseException):
             self._fail(flight, item)
             return
-        out = item
-        flight.output_ids.extend(out.new_token_ids)
-        if flight.first is not None:
-            out = replace(
-                out,
-                num_prompt_tokens=len(flight.prompt),
-                num_cached_tokens=flight.first.num_cached_tokens,
-                num_output_tokens=len(flight.output_ids),
-            )
+        out = flight.take_decoded(item)
         if out.finished:
             with self._lock:  # before the caller sees the end: the next turn finds the KV
                 self._flights.pop(flight.request_id, None)
                 if flight.session_id is not None:
-                    tokens = flight.prompt + flight.output_ids[:-1]
-                    kv = _SessionKV(flight.decode, flight.request_id, tokens)
+                    kv = SessionKV(flight.decode, flight.request_id, flight.get_held_token_ids())
                     self._sessions[flight.session_id] = kv
         flight.stream.put(out)
 
     # ---- failures ----------------------------------------------------------------------------
 
-    def _fail(self, flight: _Flight, exc: BaseException) -> None:
+    def _fail(self, flight: Flight, exc: BaseException) -> None:
         with self._lock:
             if self._flights.pop(flight.request_id, None) is None:
                 return
@@ -390,7 +353,7 @@ class DisaggCoordinator:
         """Release held KV from a thread that may be the instance's reader (a sink): on the
         pool. ``instance_stats`` and ``check_integrity`` wait for these first."""
         try:
-            future = self._pool.submit(_quietly, instance.call, "release_held", handle)
+            future = self._pool.submit(call_quietly, instance.call, "release_held", handle)
         except RuntimeError:  # closed: the instance is gone with its KV
             return
         with self._lock:
@@ -473,18 +436,3 @@ class DisaggCoordinator:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _num_new_tokens(held: list[int], prompt: list[int]) -> int:
-    """Tokens of ``prompt`` the held KV does not cover (all of them if it does not lead it)."""
-    if len(held) <= len(prompt) and prompt[: len(held)] == held:
-        return len(prompt) - len(held)
-    return len(prompt)
-
-
-def _quietly(call: Callable, *args) -> None:
-    """Call an instance where its death or close changes nothing (a release, an abort)."""
-    try:
-        call(*args)
-    except (EngineDeadError, EngineClosedError):
-        pass

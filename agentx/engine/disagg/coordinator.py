@@ -239,13 +239,15 @@ class DisaggCoordinator:
     def _start_prefill(self, flight: Flight) -> None:
         sampling = replace(flight.sampling, max_tokens=1)
         options = replace(flight.options, hold_kv=True, held_kv=None)
-        self.prefill[flight.prefill].add_request(
+        instance = self.prefill[flight.prefill]
+        instance.add_request(
             flight.prompt,
             sampling,
             flight.request_id,
             options,
             lambda item: self._on_prefill(flight, item),
         )
+        self._abort_if_aborted(flight, instance)
 
     def _on_prefill(self, flight: Flight, item: RequestOutput | BaseException) -> None:
         """P's reader thread: the first token goes to the caller, then the hand-over."""
@@ -313,9 +315,19 @@ class DisaggCoordinator:
         remaining = flight.sampling.max_tokens - len(flight.output_ids)
         sampling = replace(flight.sampling, max_tokens=remaining)
         options = replace(flight.options, hold_kv=flight.session_id is not None, held_kv=held)
-        self.decode[flight.decode].add_request(
+        instance = self.decode[flight.decode]
+        instance.add_request(
             prompt, sampling, flight.request_id, options, lambda item: self._on_decode(flight, item)
         )
+        self._abort_if_aborted(flight, instance)
+
+    def _abort_if_aborted(self, flight: Flight, instance: EngineInstance) -> None:
+        """An abort that raced the add (its call may have reached the instance first, when
+        the request was not there yet) is sent again, now that the request is."""
+        with self._lock:
+            aborted = flight.aborted
+        if aborted:
+            call_quietly(instance.call, "abort", flight.request_id)
 
     def _on_decode(self, flight: Flight, item: RequestOutput | BaseException) -> None:
         """D's reader thread: deltas to the caller, counted over the whole request."""

@@ -109,6 +109,30 @@ def test_a_prompt_shorter_than_a_block_hands_over_its_partial_block_alone(pd, co
     assert_no_kv_left(pd)
 
 
+def test_a_prompt_of_whole_blocks_hands_over_no_partial_block(pd, colocated):
+    prompt = tokens(colocated, "Green tea and oolong ", 32)
+    tail_before = pd.counters.num_handover_tail_tokens
+    before = pd.instance_stats()
+    gen = pd.add_request(prompt, greedy(5)).result(timeout=300)
+    after = pd.instance_stats()
+    assert gen.token_ids == reference(colocated, prompt, 5)
+    assert deltas(before, after, "num_computed_tokens") == {"prefill-0": 32, "decode-0": 4}
+    assert deltas(before, after, "offload_loaded_blocks")["decode-0"] == 2
+    assert pd.counters.num_handover_tail_tokens == tail_before
+    assert_no_kv_left(pd)
+
+
+def test_concurrent_requests_hand_over_side_by_side(pd, colocated):
+    texts = ["Mountains and rivers ", "SELECT name FROM users ", "Dear diary, today "]
+    prompts = [tokens(colocated, text, n) for text, n in zip(texts, (19, 33, 50), strict=True)]
+    handovers = pd.counters.num_handovers
+    streams = [pd.add_request(p, greedy(6)) for p in prompts]
+    gens = [s.result(timeout=300) for s in streams]
+    assert [g.token_ids for g in gens] == [reference(colocated, p, 6) for p in prompts]
+    assert pd.counters.num_handovers == handovers + 3
+    assert_no_kv_left(pd)
+
+
 def test_a_turn_that_ends_at_its_first_token_never_reaches_decode(pd, colocated):
     prompt = tokens(colocated, "A list of prime numbers: ", 20)
     done = pd.counters.num_finished_on_prefill

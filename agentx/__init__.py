@@ -13,6 +13,7 @@ env.apply_cpu_defaults()  # before anything below imports torch
 
 from agentx.config import (
     CacheConfig,
+    DisaggConfig,
     EngineConfig,
     OffloadConfig,
     ParallelConfig,
@@ -44,6 +45,7 @@ from agentx.errors import (
     ConfigError,
     EngineClosedError,
     EngineDeadError,
+    InstanceDeadError,
     InvalidRequestError,
     KVPolicyError,
     ModelLoadError,
@@ -91,6 +93,7 @@ __all__ = [
     "CacheConfig",
     "CheckpointPlan",
     "ConfigError",
+    "DisaggConfig",
     "Engine",
     "EngineBackend",
     "EngineCapabilities",
@@ -100,6 +103,7 @@ __all__ = [
     "EngineStats",
     "Generation",
     "HeldCandidate",
+    "InstanceDeadError",
     "IntervalRetention",
     "InvalidRequestError",
     "KVExport",

@@ -228,6 +228,36 @@ class OffloadConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """Prefill / decode disaggregation (engine/disagg/): ``num_prefill`` P and ``num_decode``
+    D instances, each a whole Engine in its own process, sharing an offload tier.
+
+    A cold turn prefills on a P instance, which samples the first token; its KV (the partial
+    last block included) reaches a D instance through the shared tier and D decodes the rest.
+    A warm turn of a session goes to the D instance holding the session's KV: with at most
+    ``local_prefill_tokens`` new tokens D prefills them itself (no hand-over), else a P
+    instance prefills and hands over again. benchmarks/disagg_threshold.py measures where a
+    hand-over starts paying off.
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    # 64: past it a local prefill stalled D's running decodes ~2x a decode step and more
+    # (0.10 s at 64 new tokens, 0.28 s at 256, vs 0.05 s with the hand-over), while a hand-over
+    # of a short turn costs about what its prefill does (docs/BENCHMARKS.md, a loaded 2-core box)
+    local_prefill_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        value = self.local_prefill_tokens
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"local_prefill_tokens must be an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Drafting from context (engine/draft.py): a decoding request proposes the tokens that
     followed its latest n-gram elsewhere in what it can see (its own prompt and output, its

@@ -14,6 +14,8 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     ├── RequestAbortedError    the request was aborted (by the caller or by cancellation)
     ├── EngineClosedError      a request arrived after the engine was closed
     ├── EngineDeadError        the engine loop crashed; every waiting request fails with this
+    │   └── InstanceDeadError      a prefill or decode instance's process of a P/D coordinator
+    │                              died: its requests fail with this, the others keep running
     ├── KVPolicyError          a user KV policy raised or returned an invalid decision (the
     │                          decision is refused before the cache changes; ``__cause__``
     │                          holds what the policy raised)
@@ -44,6 +46,7 @@ __all__ = [
     "ConfigError",
     "EngineClosedError",
     "EngineDeadError",
+    "InstanceDeadError",
     "InvalidRequestError",
     "KVPolicyError",
     "ModelLoadError",
@@ -101,6 +104,19 @@ class EngineDeadError(AgentXError):
 
     ``__cause__`` holds the original exception.
     """
+
+
+class InstanceDeadError(EngineDeadError):
+    """A P/D instance's engine process died (engine/disagg/): the requests it ran or was
+    handing over fail with this; ``instance`` names it ("prefill-0", "decode-1"). The
+    coordinator routes later requests to the instances still alive."""
+
+    def __init__(self, message: str, instance: str = "") -> None:
+        super().__init__(message)
+        self.instance = instance
+
+    def __reduce__(self):  # crosses process pipes: keep ``instance``
+        return (type(self), (str(self), self.instance))
 
 
 class TraceError(AgentXError, ValueError):

@@ -182,12 +182,14 @@ class Engine(EngineBackend):
         with self._step_lock:
             return new_handles if self.core.fork_held(handle, new_handles) else []
 
-    def export_held(self, handle: str) -> KVExport | None:
+    def export_held(self, handle: str, include_tail: bool = False) -> KVExport | None:
         """Name held KV's prefix in the shared offload tiers (waits for its stores), for
-        ``import_held`` on another engine with the same model; None without offload."""
+        ``import_held`` on another engine with the same model; None without offload.
+        ``include_tail``: the partial last block goes too, so the importer resumes at the
+        exact token this engine stopped at (a P/D hand-over); else full blocks only."""
         self._check_alive()
         with self._step_lock:
-            return self.core.export_held(handle)
+            return self.core.export_held(handle, include_tail)
 
     def import_held(self, export: KVExport, handle: str | None = None) -> str | None:
         """Load an exported prefix from the shared tiers as held KV; returns its handle (pass

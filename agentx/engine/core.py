@@ -254,9 +254,10 @@ class EngineCore:
         self.offload.pin(handle, pinned)  # a soft pin in every tier
         return self.kv.pin_held(handle, pinned)
 
-    def export_held(self, handle: str) -> KVExport | None:
-        """Held KV's prefix as another engine sharing a tier can import it."""
-        return self.offload.export(handle)
+    def export_held(self, handle: str, include_tail: bool = False) -> KVExport | None:
+        """Held KV's prefix as another engine sharing a tier can import it (``include_tail``:
+        its partial last block too)."""
+        return self.offload.export(handle, include_tail)
 
     def import_held(self, export: KVExport, handle: str) -> int:
         """Load an exported prefix from the shared tiers as held KV ``handle``."""

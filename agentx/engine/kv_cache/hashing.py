@@ -43,3 +43,18 @@ def extend_block_hashes(
     for i in range(len(block_hashes), num_full):
         parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
         block_hashes.append(parent)
+
+
+def hash_partial_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b""
+) -> BlockHash:
+    """The tier key of a partial last block handed to another engine (offload/manager.py).
+
+    A digest of its own personalization: it never equals a full block's hash, so the prefix
+    cache never finds a partial block under it.
+    """
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"agentx:tail")
+    h.update(parent or b"\0" * _DIGEST_BYTES)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra_keys)
+    return h.digest()

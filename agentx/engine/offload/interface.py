@@ -17,10 +17,25 @@ from agentx.engine.request import Request
 
 @dataclass(frozen=True, slots=True)
 class KVExport:
-    """A session's prefix as another engine can import it from a shared tier."""
+    """A session's prefix as another engine can import it from a shared tier.
+
+    With a tail (``export(handle, include_tail=True)``) the partial last block travels too,
+    stored under ``tail_key`` (no prefix-cache hash is ever equal to it), so the importer
+    resumes at the exact token the exporter stopped at::
+
+        token_ids   [ block 0 | block 1 | ... | block n-1 ][ tail_token_ids ]
+        tier keys     block_hashes[0 .. n-1]                 tail_key
+    """
 
     token_ids: tuple[int, ...]  # the tokens of the exported full blocks
     block_hashes: tuple[BlockHash, ...]
+    tail_token_ids: tuple[int, ...] = ()  # the partial last block's tokens (empty: none)
+    tail_key: BlockHash | None = None
+    cache_salt: bytes = b""  # the salt of the exported KV: only requests with it extend it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + len(self.tail_token_ids)
 
 
 class Offload(ABC):
@@ -60,8 +75,9 @@ class Offload(ABC):
         """Soft-pin (or unpin) held KV's blocks in every tier."""
 
     @abstractmethod
-    def export(self, handle: str) -> KVExport | None:
-        """Held KV's prefix as another engine sharing a tier can import it; None if unknown."""
+    def export(self, handle: str, include_tail: bool = False) -> KVExport | None:
+        """Held KV's prefix as another engine sharing a tier can import it; None if unknown.
+        ``include_tail``: the partial last block goes to the tiers too (a P/D hand-over)."""
 
     @abstractmethod
     def import_(self, export: KVExport, handle: str) -> int:
@@ -110,7 +126,7 @@ class NullOffload(Offload):
     def pin(self, handle: str, pinned: bool) -> None:
         pass
 
-    def export(self, handle: str) -> KVExport | None:
+    def export(self, handle: str, include_tail: bool = False) -> KVExport | None:
         return None
 
     def import_(self, export: KVExport, handle: str) -> int:

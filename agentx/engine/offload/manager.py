@@ -9,7 +9,8 @@
               live on in the tiers) and prefetched back ``prefetch_margin_s`` before it returns
               (the KV policy's ``on_tool_wait`` decides both; those are its defaults)
     migrate   ``export`` names held KV's blocks in the shared tiers; ``import_`` loads
-              them into another engine as held KV
+              them into another engine as held KV (with ``include_tail`` the partial last
+              block too, under a key of its own: a P/D hand-over resumes at the exact token)
 
 A load that fails midway keeps the prefix that arrived and the request recomputes the rest.
 The manager reads and writes KV only through the runner's page gather/scatter.
@@ -27,7 +28,7 @@ import torch
 from agentx.config import OffloadConfig
 from agentx.engine.hints import ToolLatency
 from agentx.engine.kv_cache import KVBlock, KVCacheManager
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.kv_cache.hashing import BlockHash, hash_partial_block
 from agentx.engine.kv_cache.policy import ToolWait
 from agentx.engine.offload.interface import KVExport, Offload
 from agentx.engine.offload.mooncake_master import MooncakeMaster
@@ -55,6 +56,9 @@ class _Load:
     hashes: list[BlockHash]
     pages: torch.Tensor  # (n, page_bytes) host staging, untouched until the event
     cache_salt: bytes = b""  # the salt the hashes were made with (the held KV keeps it)
+    # a partial last block's tokens: then the last of blocks / hashes / pages is that block
+    # (never cached on the device: it is not full)
+    tail_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -134,25 +138,32 @@ class OffloadManager(Offload):
         token_ids: list[int],
         hashes: list[BlockHash],
         cache_salt: bytes = b"",
+        tail: tuple[BlockHash, tuple[int, ...]] | None = None,
     ) -> bool:
+        """Load what continues the device hit of ``hashes`` (then ``tail``: a partial block's
+        key and tokens, loaded only if every full block before it is)."""
         device_blocks = self.kv.find_cached_prefix(hashes)
         start = len(device_blocks)
-        num = self.store.lookup(hashes[start:]).num_hits
+        keys = list(hashes[start:]) + ([tail[0]] if tail is not None else [])
+        num = self.store.lookup(keys).num_hits
         num = min(num, self.kv.get_num_loadable_blocks(device_blocks))
         if num <= 0:
             return False
+        with_tail = tail is not None and num == len(keys)
+        num_full = start + num - with_tail
         blocks = self.kv.prepare_load(device_blocks, num)
         pages = torch.empty((num, self.runner.page_bytes), dtype=torch.uint8)
-        ticket = self.store.load(hashes[start : start + num], list(pages))
+        ticket = self.store.load(keys[:num], list(pages))
         self.loads[ticket.job_id] = _Load(
             handle,
             request_id,
-            token_ids[: (start + num) * self.block_size],
+            token_ids[: num_full * self.block_size],
             device_blocks,
             blocks,
-            list(hashes[start : start + num]),
+            keys[:num],
             pages,
             cache_salt,
+            tail[1] if with_tail else (),
         )
         return True
 
@@ -176,16 +187,22 @@ class OffloadManager(Offload):
         if num_done:
             done_ids = [b.block_id for b in load.blocks[:num_done]]
             self.runner.scatter_pages(done_ids, load.pages[:num_done])
-        done = self.kv.complete_load(load.blocks, load.hashes, num_done)
+        num_full = len(load.blocks) - bool(load.tail_token_ids)
+        full, tail = load.blocks[:num_full], load.blocks[num_full:]
+        done = self.kv.complete_load(full, load.hashes[:num_full], min(num_done, num_full))
         self.counters.num_loaded_blocks += num_done
         self.counters.num_failed_blocks += len(load.blocks) - num_done
         blocks = load.device_blocks + done
         if load.handle is None:  # a prefetch into the device cache: most recently used now
             self.kv.free_blocks(blocks)
             return
+        token_ids = load.token_ids[: len(blocks) * self.block_size]
+        if tail and num_done == len(load.blocks):
+            blocks, token_ids = blocks + tail, token_ids + list(load.tail_token_ids)
+        else:
+            self.kv.free_blocks(tail)  # not loaded, or its block would not follow a full prefix
         if blocks:
-            num_tokens = len(blocks) * self.block_size
-            self.kv.add_held(load.handle, load.token_ids[:num_tokens], (blocks,), load.cache_salt)
+            self.kv.add_held(load.handle, token_ids, (blocks,), load.cache_salt)
 
     def idle_wait(self, timeout: float = 0.005) -> None:
         """Nothing to schedule: wait a little for a transfer instead of spinning."""
@@ -287,20 +304,52 @@ class OffloadManager(Offload):
             hashes = self.tier_pins.pop(handle, None) or self.held_hashes(handle)
             self.store.unpin(self._still_unpinned(hashes))
 
-    def export(self, handle: str, timeout: float = 30.0) -> KVExport | None:
-        """The held KV's full blocks, once the tiers hold them (waits for the stores)."""
+    def export(
+        self, handle: str, include_tail: bool = False, timeout: float = 30.0
+    ) -> KVExport | None:
+        """The held KV's full blocks (and its partial last block with ``include_tail``), once
+        the tiers hold them (waits for the stores)."""
         held = self.kv.get_held(handle)
         if held is None:
             return None
         hashes = self.held_hashes(handle)
+        num_full = len(hashes)
+        tail = held.token_ids[num_full * self.block_size :]
+        tail_key = None
+        if include_tail and tail and num_full == held.num_tokens // self.block_size:
+            tail_key = hash_partial_block(hashes[-1] if hashes else None, tail, held.cache_salt)
+            pages = self.runner.gather_pages([held.blocks[0][num_full].block_id])
+            ticket = self.store.store([tail_key], list(pages), self.tier_names)
+            self.stores[ticket.job_id] = pages
         self.flush(timeout)
-        num = self.store.lookup(hashes).num_hits
-        return KVExport(tuple(held.token_ids[: num * self.block_size]), tuple(hashes[:num]))
+        num = self.store.lookup(hashes + ([tail_key] if tail_key is not None else [])).num_hits
+        with_tail = tail_key is not None and num == num_full + 1
+        num = min(num, num_full)
+        return KVExport(
+            tuple(held.token_ids[: num * self.block_size]),
+            tuple(hashes[:num]),
+            tuple(tail) if with_tail else (),
+            tail_key if with_tail else None,
+            held.cache_salt,
+        )
 
     def import_(self, export: KVExport, handle: str, timeout: float = 30.0) -> int:
-        """Load an exported prefix as held KV ``handle``; returns its tokens on device."""
-        self._start_load(handle, None, list(export.token_ids), list(export.block_hashes))
+        """Load an exported prefix as held KV ``handle``; returns its tokens on device. A
+        tail's key is dropped from the tiers after: it names one hand-over."""
+        tail = None
+        if export.tail_key is not None:
+            tail = (export.tail_key, export.tail_token_ids)
+        self._start_load(
+            handle,
+            None,
+            list(export.token_ids),
+            list(export.block_hashes),
+            export.cache_salt,
+            tail,
+        )
         self.flush(timeout)
+        if tail is not None:
+            self.store.drop([tail[0]])
         held = self.kv.get_held(handle)
         return 0 if held is None else held.num_tokens
 

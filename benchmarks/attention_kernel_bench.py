@@ -1,0 +1,81 @@
+"""The CPU paged attention kernel alone, with its KV coming from DRAM as in a real step.
+
+One call is one layer's attention (SmolLM2's shapes: 9 query heads, 3 KV heads, head dim 64,
+16-token blocks, bf16 KV). Every call reads another layer's pool (30 pools, as many as
+SmolLM2's layers), so for contexts of 2K and more the working set is larger than L3 and each
+call streams its KV from memory; the blocks of a request sit in a random order of its pool, as
+a cache that has run a while leaves them. Prints microseconds per call (the best of 5 rounds),
+milliseconds for 30 layers, and the KV bytes read per second.
+
+    python benchmarks/attention_kernel_bench.py                 # decode rows and a prefill tile
+    python benchmarks/attention_kernel_bench.py --threads 1 --context 2048 --requests 8
+"""
+
+# ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import time
+
+import torch
+
+from agentx.kernels import cpu
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+LAYERS = 30
+
+
+def run(threads: int, context: int, requests: int, rows: int) -> str:
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    per_request = context // BLOCK + 1
+    pools = [
+        torch.randn(per_request * requests + 1, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(
+            torch.bfloat16
+        )
+        for _ in range(LAYERS)
+    ]
+    tables = (torch.randperm(per_request * requests, generator=g) + 1).view(requests, per_request)
+    q = torch.randn(rows * requests, HEADS, HEAD_DIM, generator=g)
+    token_req = torch.arange(requests).repeat_interleave(rows)
+    token_len = torch.arange(context - rows + 1, context + 1, dtype=torch.long).repeat(requests)
+    op = torch.ops.agentx.paged_attention_rows
+    for i in range(LAYERS):
+        op(q, pools[i], tables, token_req, token_len, HEAD_DIM**-0.5, 0)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for i in range(3 * LAYERS):
+            op(q, pools[i % LAYERS], tables, token_req, token_len, HEAD_DIM**-0.5, 0)
+        best = min(best, (time.perf_counter() - start) / (3 * LAYERS))
+    kv_bytes = requests * context * KV_HEADS * HEAD_DIM * 2 * 2
+    return (
+        f"| {threads} | {context} | {requests} | {rows} | {best * 1e6:,.0f} | "
+        f"{best * LAYERS * 1e3:.2f} | {kv_bytes / best / 1e9:.1f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--context", type=int, nargs="*", default=[2048])
+    parser.add_argument("--requests", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--rows", type=int, default=1, help="query rows a request (1: decode)")
+    args = parser.parse_args()
+    if not cpu.available():
+        raise SystemExit("the CPU kernels are not built (python -m agentx.kernels.cpu)")
+    print("| threads | context | requests | rows each | us a call | ms for 30 layers | KV GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for threads in args.threads:
+        for context in args.context:
+            for requests in args.requests:
+                print(run(threads, context, requests, args.rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """PNG plots of a results file (matplotlib, Agg backend, imported only when plotting):
-TPGS vs concurrency, interactivity P50 vs TPGS, TTFT CDF, hit rate per engine; and a
-saturation profile's prefill and decode rates (``plot_saturation``)."""
+TPGS vs concurrency, interactivity P50 vs TPGS, TTFT CDF, hit rate per engine; a saturation
+profile's prefill and decode rates (``plot_saturation``); a P/D sweep (``plot_pd_sweep``)."""
 
 from __future__ import annotations
 
@@ -116,6 +116,34 @@ def plot_saturation(profile: dict, path: str | Path) -> Path:
     dec.set(xlabel="interactivity P90 (tok/s/request)", ylabel="output tokens/s",
             title="decode-only (point per batch)")  # fmt: skip
     for ax in (pre, dec):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_pd_sweep(rows: list[dict], floor: float, path: str | Path) -> Path:
+    """A P/D sweep (benchmarks/pd_sweep.py): per split, predicted against measured tokens/s per
+    worker (bars; no predicted bar without a profile), and interactivity P90 against TPGS (a
+    point per split; the floor dashed). ``rows``: dicts with ``split``, ``predicted`` (tok/s
+    per worker or None), ``tpgs`` and ``interactivity_p90`` (None: no request had 2 tokens)."""
+    plt = _pyplot()
+    fig, (bars, tradeoff) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = list(range(len(rows)))
+    predicted = [r["predicted"] or 0 for r in rows]
+    bars.bar([x - 0.2 for x in xs], predicted, 0.4, label="predicted (profile)")
+    bars.bar([x + 0.2 for x in xs], [r["tpgs"] for r in rows], 0.4, label="measured TPGS")
+    bars.set_xticks(xs, [r["split"] for r in rows])
+    bars.set(ylabel="tokens/s per worker", title="throughput per split")
+    for r in rows:
+        if r["interactivity_p90"] is not None:
+            tradeoff.plot(r["tpgs"], r["interactivity_p90"], marker="o", label=r["split"])
+    tradeoff.axhline(floor, linestyle="--", color="grey")
+    tradeoff.set(xlabel="TPGS (tokens/s/worker)", ylabel="interactivity P90 (tok/s/request)",
+                 title="interactivity vs throughput")  # fmt: skip
+    for ax in (bars, tradeoff):
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)

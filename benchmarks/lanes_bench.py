@@ -149,9 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument(
         "--quantization",
-        default="none",
+        default="auto",
         choices=("none", "auto", "int8", "int4"),
-        help="none (fp32, as prefill_share_bench.py) or the worker's auto",
+        help="auto (the engine's default: the GGUF's quantized weights) or none (fp32)",
     )
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -91,6 +91,17 @@ def _hit_rate(ax, results: Results) -> None:
     ax.legend()
 
 
+def _save(plt, fig, axes, path: str | Path) -> Path:
+    """Legends on ``axes``, then the figure written to ``path`` and closed."""
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_saturation(profile: dict, path: str | Path) -> Path:
     """A saturation profile (:mod:`agentx.bench.saturate`): prefill computed tokens/s by prompt
     length (a line per engine and cached fraction), and decode tokens/s against interactivity
@@ -115,13 +126,7 @@ def plot_saturation(profile: dict, path: str | Path) -> Path:
     dec.axvline(floor, linestyle="--", color="grey")
     dec.set(xlabel="interactivity P90 (tok/s/request)", ylabel="output tokens/s",
             title="decode-only (point per batch)")  # fmt: skip
-    for ax in (pre, dec):
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (pre, dec), path)
 
 
 def plot_pd_sweep(rows: list[dict], floor: float, path: str | Path) -> Path:
@@ -143,10 +148,4 @@ def plot_pd_sweep(rows: list[dict], floor: float, path: str | Path) -> Path:
     tradeoff.axhline(floor, linestyle="--", color="grey")
     tradeoff.set(xlabel="TPGS (tokens/s/worker)", ylabel="interactivity P90 (tok/s/request)",
                  title="interactivity vs throughput")  # fmt: skip
-    for ax in (bars, tradeoff):
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (bars, tradeoff), path)

@@ -3,6 +3,7 @@ runs on one thread, a larger one on num_threads, and greedy tokens are the same 
 every step on num_threads (the kernels' arithmetic does not depend on the thread count)."""
 
 import pytest
+import torch
 
 from agentx import CacheConfig, ConfigError, EngineConfig, SamplingParams, SchedulerConfig
 
@@ -21,6 +22,14 @@ def test_small_steps_run_on_one_thread_and_keep_every_token(make_engine, greedy_
     per_step = make_engine(num_threads=2, cache=cache, scheduler=scheduler)
     fixed = make_engine(num_threads=2, cache=cache, scheduler=scheduler, small_step_tokens=0)
     runner = per_step.core.runner
+    logits_threads = []
+    compute_logits = runner.model.compute_logits
+
+    def recording(hidden):
+        logits_threads.append(torch.get_num_threads())
+        return compute_logits(hidden)
+
+    runner.model.compute_logits = recording
     tok = per_step.tokenizer
     long = tok.encode("You are a careful assistant. Think step by step. " * 12)  # 48-token chunks
     assert len(long) > 100
@@ -28,6 +37,7 @@ def test_small_steps_run_on_one_thread_and_keep_every_token(make_engine, greedy_
     assert (runner.num_threads, runner.step_threads) == (2, 2)  # its last step: a 48-token chunk
     per_step.generate([greedy_prompts[0]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert runner.step_threads == 1  # its last step: one decode
+    assert logits_threads[-1] == 2  # the LM head runs on both threads even then
     prompts = [*greedy_prompts, long]
     want = [g.token_ids for g in fixed.generate(prompts, GREEDY)]
     assert fixed.core.runner.step_threads == 2  # never switched

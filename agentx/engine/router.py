@@ -312,8 +312,8 @@ class ReplicaRouter:
         KV imported on the new replica."""
         token_ids = self.replicas[0].tokenize(prompt)  # also refuses a bad prompt, unrouted
         salt = options.get("cache_salt") or getattr(options.get("options"), "cache_salt", None)
+        hashes = self.prefix_index.hashes(token_ids, salt)  # pure: outside the lock
         with self._lock:
-            hashes = self.prefix_index.hashes(token_ids, salt)
             cached = self.prefix_index.matched_tokens(hashes)
             loads = [
                 ReplicaLoad(engine.get_num_live_requests(), len(sessions), n)

@@ -34,8 +34,10 @@ from agentx.openai.responses import (
     ChoiceResult,
     ChoiceText,
     CompletionHeader,
+    chunk_logprobs,
     make_chunk,
     make_completion,
+    make_logprobs,
     make_usage,
     make_usage_chunk,
 )
@@ -140,7 +142,9 @@ class ChatService:
                 results.append(self._finish_choice(call, index, text))
         finally:
             self._end(call)
-        return make_completion(call.header, results, self._usage(call, results))
+        return make_completion(
+            call.header, results, self._usage(call, results), self._engine.tokenizer.token_to_text
+        )
 
     async def open_stream(self, body: object) -> ChunkStream:
         """Validate and submit the request (raising before any chunk is produced), then
@@ -157,7 +161,14 @@ class ChatService:
                 yield make_chunk(header, index, role=True, content="")
                 text = ChoiceText(call.parse_tool_calls, self._parser)
                 async for out in stream:
-                    for chunk in _deltas(header, index, text, *text.push(out.new_text)):
+                    chunks = _deltas(header, index, text, *text.push(out.new_text))
+                    if call.request.sampling.logprobs is not None and out.logprobs:
+                        logprobs = make_logprobs(out.logprobs, self._engine.tokenizer.token_to_text)
+                        if chunks:  # the tokens' logprobs ride on the first chunk they made
+                            chunks[0].choices[0].logprobs = chunk_logprobs(logprobs)
+                        else:
+                            chunks = [make_chunk(header, index, logprobs=logprobs)]
+                    for chunk in chunks:
                         yield chunk
                 for chunk in _deltas(header, index, text, *text.finish()):
                     yield chunk

@@ -9,7 +9,7 @@ kernels give a row the same bits in a prefill chunk as in a decode step).
 import pytest
 import torch
 
-from agentx import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
+from agentx import CacheConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from agentx.engine.runner.logprobs import token_logprobs
 from agentx.errors import SamplingParamsError
 

@@ -38,6 +38,7 @@ from agentx.engine.streams import Generation, RequestStream
 from agentx.errors import (
     EngineClosedError,
     EngineDeadError,
+    InvalidRequestError,
     RequestAbortedError,
     warn_renamed,
 )
@@ -107,7 +108,13 @@ class Engine(EngineBackend):
         with self._cond:
             self._check_alive()
             if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already live")
+                raise InvalidRequestError(f"request id {rid!r} is already live")
+            if rid in self.core.kv.held and options.held_kv != rid:
+                # holding again under it would silently drop the KV the handle names
+                raise InvalidRequestError(
+                    f"request id {rid!r} names held KV: continue from it (held_kv={rid!r}), "
+                    "release it first, or use another id"
+                )
             self._streams[rid] = stream
             self._new.append((request, stream))
             self._cond.notify()

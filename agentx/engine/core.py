@@ -171,9 +171,15 @@ class EngineCore:
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
+            if isinstance(prompt, bytes | bytearray | memoryview):  # iterates as ints
+                raise InvalidRequestError("a prompt is a str or a sequence of token ids, not bytes")
             token_ids = list(prompt)
             vocab = self.spec.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [
+                t
+                for t in token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ]
             if bad:
                 raise InvalidRequestError(
                     f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}"

@@ -33,6 +33,7 @@ from agentx.engine.offload.fingerprint import checkpoint_digest, page_fingerprin
 from agentx.engine.offload.interface import KVExport, NullOffload, Offload
 from agentx.engine.offload.manager import OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
+from agentx.engine.parallel.bootstrap import refuse_spawn_while_bootstrapping
 from agentx.engine.parallel.executor import Executor, make_executor
 from agentx.engine.request import Request, RequestOptions, RequestStatus
 from agentx.engine.runner.model_runner import DTYPES
@@ -50,6 +51,8 @@ class EngineCore:
         self.config = config
         if config.parallel.dp > 1:
             raise ConfigError("parallel.dp > 1 needs a ReplicaRouter (engine/router.py)")
+        if config.parallel.world_size > 1:  # before the checkpoint loads in a doomed child
+            refuse_spawn_while_bootstrapping()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         checkpoint = load_checkpoint(

@@ -108,7 +108,9 @@ class DiskTier(IndexedTier):
         try:
             subs = sorted(self.folder.iterdir())
         except OSError as exc:
-            raise ConfigError(f"disk tier: cannot list the cache folder {self.folder}: {exc}")
+            raise ConfigError(
+                f"disk tier: cannot list the cache folder {self.folder}: {exc}"
+            ) from exc
         for sub in subs:
             if not sub.is_dir():
                 continue

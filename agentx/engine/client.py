@@ -306,6 +306,12 @@ class Engine(EngineBackend):
         with self._cond:
             return len(self._streams)
 
+    @property
+    def is_dead(self) -> bool:
+        """The engine loop crashed: every call raises EngineDeadError (a router routes
+        around it)."""
+        return self._dead is not None
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError("the engine loop crashed") from self._dead

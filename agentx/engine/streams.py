@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import anyio
 
 from agentx.engine.outputs import RequestOutput
+from agentx.errors import RequestFailedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,12 @@ class RequestStream:
             self.text += out.new_text
             if out.finished:
                 self._done, self.final = True, out
+                if out.finish_reason == "error":
+                    raise RequestFailedError(
+                        f"request {self.request_id} failed while it ran "
+                        f"(stop reason {out.stop_reason!r})",
+                        out,
+                    )
             return out
         if self._error is not None:
             self._done = True

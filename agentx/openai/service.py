@@ -90,6 +90,7 @@ class ChatService:
         self.owns_engine = owns_engine
         self._parser = ToolCallParser()
         self._conversations = ConversationCache(max_held_conversations, self._release)
+        self._live: dict[int, _Call] = {}  # calls started and not ended, by id()
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -109,6 +110,8 @@ class ChatService:
         if self._closed:
             return
         self._closed = True
+        for call in list(self._live.values()):  # a stream still open: its KV is nobody's
+            self._end(call)
         self._conversations.clear()
         if self.owns_engine and self._engine is not None:
             self._engine.close()
@@ -200,6 +203,7 @@ class ChatService:
             model=request.model or self.model_name,
         )
         call = _Call(request, header, context, prompt, [], handles, parse_tool_calls)
+        self._live[id(call)] = call
         try:
             for index in range(request.n):
                 options = RequestOptions(
@@ -241,11 +245,19 @@ class ChatService:
         return result
 
     def _end(self, call: _Call) -> None:
-        """Abort what still runs; release held KV a stream never got to adopt."""
+        """Abort what still runs; release held KV a stream never got to adopt. Once per call
+        (the stream's end and the service's close may both come)."""
+        if self._live.pop(id(call), None) is None:
+            return
         engine = self._engine
         for stream in call.streams:
             if not stream.finished:
                 engine.abort(stream.request_id)
+                # it may have finished (its KV held under its id) before the abort reaches
+                # the loop, which applies aborts before releases
+                self._release(stream.request_id)
+            elif stream.final is not None and stream.final.finish_reason not in ("stop", "length"):
+                self._release(stream.request_id)  # failed: no conversation continues from it
         for index, handle in enumerate(call.handles):
             stream = call.streams[index] if index < len(call.streams) else None
             if stream is None or not stream.finished or stream.final is None:

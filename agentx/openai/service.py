@@ -26,7 +26,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from agentx.engine.client import Engine
 from agentx.engine.request import RequestOptions
-from agentx.engine.sampling import SamplingParams
+from agentx.engine.sampling import MAX_SEED, SamplingParams
 from agentx.engine.streams import RequestStream
 from agentx.openai.conversations import ConversationCache, HeldConversation
 from agentx.openai.requests import ChatRequest, assistant_key, parse_chat_request
@@ -307,7 +307,7 @@ def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s sampling: a given seed is offset so choices differ, reproducibly."""
     if index == 0 or sampling.seed is None:
         return sampling
-    return replace(sampling, seed=sampling.seed + index)
+    return replace(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))  # stays in range
 
 
 def _deltas(header, index, text: ChoiceText, shown: str, calls) -> list[ChatCompletionChunk]:

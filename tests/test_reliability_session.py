@@ -17,6 +17,7 @@ from agentx import (
     SamplingParams,
     Session,
     SessionClosedError,
+    SessionError,
     UnknownToolCallError,
 )
 from agentx.engine.structured import GrammarMatcher, StructuredOutput
@@ -240,5 +241,23 @@ async def test_a_run_time_failure_is_an_error_on_every_surface(
         with pytest.raises(RequestFailedError):  # was: a reply with parsed=None
             await s.send("Name a person.", response_format=Person)
         assert s.messages == []  # the turn rolled back
+    stats = wait_idle(default_engine)
+    assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+
+
+async def test_join_refuses_a_session_that_is_not_its_child(default_engine):
+    async with Session(default_engine, sampling=SHORT) as parent:
+        await parent.send("Hi.")
+        child = await parent.fork()
+        grandchild = await child.fork()
+        async with Session(default_engine, sampling=SHORT) as stranger:
+            for others in ([stranger], [child, grandchild]):
+                with pytest.raises(SessionError, match="not"):  # was: joined and closed
+                    await parent.join(others)
+            assert not stranger.closed and not child.closed and not grandchild.closed
+            assert parent.children == [child]
+            last = parent.messages[-1].content  # what the child inherited is its answer
+            assert await parent.join([child]) == [last]  # its own child still joins
+            assert child.closed and grandchild.closed
     stats = wait_idle(default_engine)
     assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0

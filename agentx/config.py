@@ -28,6 +28,23 @@ _KV_POLICY_HOOKS = ("plan_checkpoints", "on_turn_end", "choose_evictions", "on_t
 _KV_POLICY_ERRORS = ("fallback", "raise")
 
 
+def _check_ints(config: object, names: tuple[str, ...], minimum: int) -> None:
+    """Each named field is an int (not a bool, not a float such as 2.5 or NaN) >= minimum."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_reals(config: object, names: tuple[str, ...], minimum: float) -> None:
+    """Each named field is a finite real number (not a bool, not NaN or inf) >= minimum."""
+    for name in names:
+        value = getattr(config, name)
+        real = isinstance(value, int | float) and not isinstance(value, bool)
+        if not real or not math.isfinite(value) or value < minimum:
+            raise ConfigError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
@@ -58,6 +75,9 @@ class CacheConfig:
     kv_policy_errors: str = "fallback"
 
     def __post_init__(self) -> None:
+        _check_ints(self, ("kv_cache_bytes", "prefix_cache_retention_interval"), 0)
+        if self.num_blocks is not None:
+            _check_ints(self, ("num_blocks",), 2)
         # first: the checks below divide by it
         if (
             not isinstance(self.block_size, int)
@@ -155,6 +175,19 @@ class SchedulerConfig:
     step_cost_request_ms: float = 5.0
 
     def __post_init__(self) -> None:
+        _check_ints(
+            self,
+            ("max_num_batched_tokens", "max_num_seqs", "prefill_schedule_interval"),
+            minimum=1,
+        )
+        _check_ints(self, ("decode_step_min_prefill_tokens",), 1)
+        _check_ints(self, ("long_prefill_token_threshold",), 0)
+        _check_reals(
+            self,
+            ("decode_step_target_ms", "step_cost_base_ms", "step_cost_request_ms"),
+            minimum=0,
+        )
+        _check_reals(self, ("step_cost_token_ms",), 0)
         for name in (
             "max_num_batched_tokens",
             "max_num_seqs",
@@ -216,6 +249,10 @@ class OffloadConfig:
     prefetch_margin_s: float = 0.5
 
     def __post_init__(self) -> None:
+        _check_ints(self, ("host_bytes", "disk_bytes", "mooncake_bytes"), 0)
+        _check_reals(self, ("prefetch_margin_s",), 0)
+        if self.disk_path is not None and not isinstance(self.disk_path, str | os.PathLike):
+            raise ConfigError(f"disk_path must be a path or None, got {self.disk_path!r}")
         for name in ("host_bytes", "disk_bytes", "mooncake_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -275,6 +312,8 @@ class SpeculativeConfig:
     num_engine_outputs: int = 16
 
     def __post_init__(self) -> None:
+        _check_ints(self, ("num_speculative_tokens",), 1)
+        _check_ints(self, ("num_engine_outputs",), 0)
         if self.num_speculative_tokens <= 0:
             raise ConfigError(
                 f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}"
@@ -404,12 +443,15 @@ class EngineConfig:
             raise ConfigError(
                 f"quantization must be one of {_QUANTIZATIONS}, got {self.quantization!r}"
             )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not isinstance(self.device, str) or not (
+            self.device == "cpu" or self.device.startswith("cuda")
+        ):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ConfigError(f"num_threads must be positive, got {self.num_threads}")
+        if self.max_model_len is not None:
+            _check_ints(self, ("max_model_len",), 2)
+        if self.num_threads is not None:
+            _check_ints(self, ("num_threads",), 1)
+        _check_ints(self, ("seed",), 0)
         if not isinstance(self.small_step_tokens, int) or self.small_step_tokens < 0:
             raise ConfigError(
                 f"small_step_tokens must be an int >= 0, got {self.small_step_tokens!r}"

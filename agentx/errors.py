@@ -12,6 +12,9 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     │   └── ToolArgumentsError     a tool call's arguments do not match the tool's schema
     │                              (defined in agentx.session.tools; its message is for the model)
     ├── RequestAbortedError    the request was aborted (by the caller or by cancellation)
+    ├── RequestFailedError     the request ran and failed (finish_reason "error": its grammar
+    │                          rejected a token or hit llguidance's limits); ``output`` holds
+    │                          its last delta
     ├── EngineClosedError      a request arrived after the engine was closed
     ├── EngineDeadError        the engine loop crashed; every waiting request fails with this
     │   └── InstanceDeadError      a prefill or decode instance's process of a P/D coordinator
@@ -54,6 +57,7 @@ __all__ = [
     "OffloadError",
     "PromptTooLongError",
     "RequestAbortedError",
+    "RequestFailedError",
     "SamplingParamsError",
     "SessionClosedError",
     "SessionError",
@@ -93,6 +97,20 @@ class SamplingParamsError(InvalidRequestError):
 
 class RequestAbortedError(AgentXError):
     """The request was aborted before it finished."""
+
+
+class RequestFailedError(AgentXError):
+    """The request ran and failed (``finish_reason == "error"``, ``stop_reason`` says why:
+    "grammar_error"); a request that cannot be served is refused at submit instead. The
+    stream, ``result()`` and ``generate`` raise it after the deltas before the failure;
+    ``output`` is the final delta (None when rebuilt from a pickle)."""
+
+    def __init__(self, message: str, output: object | None = None) -> None:
+        super().__init__(message)
+        self.output = output
+
+    def __reduce__(self):  # crosses process pipes: the message only
+        return (type(self), (str(self),))
 
 
 class EngineClosedError(AgentXError):

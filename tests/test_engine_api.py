@@ -129,6 +129,12 @@ def test_top_k_1_is_greedy(default_engine):
         {"top_k": -1},
         {"stop": [""]},
         {"stop_token_ids": [-1]},
+        {"stop_token_ids": [True]},
+        {"seed": -1},
+        {"seed": 2**63},  # the sampler mixes seeds modulo 2**63: it would alias seed 0
+        {"seed": True},
+        {"stop": ["x"] * 65},  # at most 64 stop strings (OpenAI allows 4)
+        {"stop": ["x" * 1025]},  # of at most 1,024 characters
     ],
 )
 def test_bad_sampling_values_are_rejected(kwargs):
@@ -146,6 +152,10 @@ def test_bad_prompts_are_rejected_before_scheduling(default_engine, make_engine)
         default_engine.add_request([1, 2, 49152])
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         default_engine.add_request([1, -5])
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        default_engine.add_request([1, True])  # a bool is not a token id
+    with pytest.raises(InvalidRequestError, match="not bytes"):
+        default_engine.add_request(b"Hello")  # would iterate as ids 72, 101, ...
     with pytest.raises(PromptTooLongError, match="context"):
         default_engine.add_request([1] * 8192)
     small = make_engine(cache=CacheConfig(num_blocks=64))  # 63 usable blocks: 1,008 tokens
@@ -285,3 +295,31 @@ def test_runner_rows_are_released_when_the_last_requests_finish(make_engine):
         assert engine.core.runner.input_batch.row_of == {}
         engine.check_integrity()
     assert len(engine.core.runner.input_batch.free_rows) == 4
+
+
+def test_sampling_limits_are_inclusive():
+    assert SamplingParams(seed=0).seed == 0 and SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert len(SamplingParams(stop=["x" * 1024] * 64).stop) == 64
+
+
+def test_request_ids_never_clash_with_live_requests_or_held_kv(default_engine):
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    prompt = "Request ids name one live request or one held KV. " * 2
+    slow = default_engine.add_request(prompt, SamplingParams(max_tokens=64), request_id="dup")
+    with pytest.raises(InvalidRequestError, match="'dup' is already live"):
+        default_engine.add_request(prompt, params, request_id="dup")
+    slow.result(timeout=120)
+    held = default_engine.add_request(prompt, params, request_id="kept", hold_kv=True)
+    tokens = held.result(timeout=60).token_ids
+    for options in ({}, {"hold_kv": True}):
+        with pytest.raises(InvalidRequestError, match="'kept' names held KV"):
+            default_engine.add_request(prompt, params, request_id="kept", **options)
+    assert (
+        default_engine.core.kv.get_held("kept").num_tokens
+        == len(default_engine.tokenize(prompt)) + 1
+    )  # untouched: the prompt and the first output token (the last is not computed)
+    again = default_engine.add_request(
+        default_engine.tokenize(prompt) + tokens, params, request_id="kept", held_kv="kept"
+    )  # continuing from it under its own id is fine
+    assert again.result(timeout=60).usage.cached_tokens > 0
+    assert default_engine.core.kv.get_held("kept") is None

@@ -295,3 +295,54 @@ def test_engine_reports_budget_closed_outputs(default_engine):
             ("length", "grammar_budget"),
         )
     default_engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},  # itself, forever
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},
+    ],
+    ids=["self-ref", "ref-cycle", "required-recursion"],
+)
+def test_a_schema_with_no_finite_output_is_refused_at_submit(backend, schema):
+    """Was: compiled, then failed while it ran (finish_reason "error", reported as "stop")."""
+    with pytest.raises(InvalidRequestError, match="invalid structured output"):
+        backend.new_matcher(StructuredOutput(json_schema=schema), 32)
+
+
+def test_thousands_of_choices_run(backend, tokenizer):
+    """Was: 2,000+ choices overflowed llguidance's parser row at run time."""
+    spec = StructuredOutput(choice=tuple(f"option-{i}" for i in range(5000)))
+    matcher = backend.new_matcher(spec, 32)
+    assert backend.min_tokens(spec) == 3  # "option", "-", "0"
+    for token_id in tokenizer.encode("option-4999", add_special_tokens=False):
+        assert matcher.commit(token_id) == token_id and not matcher.is_error
+    assert matcher.is_accepting and not matcher.budget_closed
+
+
+def test_counted_items_are_refused_below_the_budget_they_need(backend, tokenizer, short_tokens):
+    """minItems is invisible to the token mask (the 30th item looks like the 1st): the search
+    used to give up and the request ran without a guarantee."""
+    spec = StructuredOutput(json_schema={"type": "array", "minItems": 30})
+    minimum = backend.min_tokens(spec)
+    assert minimum is not None and 59 <= minimum  # "[", 30 items and 29 separators, "]"
+    with pytest.raises(InvalidRequestError, match=f"at least {minimum}"):
+        backend.new_matcher(spec, 32)
+    matcher = backend.new_matcher(spec, minimum)
+    walk = Walk(backend, matcher, short_tokens, seed=0)
+    items = TypeAdapter(list).validate_json(tokenizer.decode(walk.token_ids))
+    assert len(items) >= 30 and len(walk.token_ids) <= minimum
+
+
+def test_a_rare_way_out_is_found_and_kept(backend, tokenizer, short_tokens):
+    """``[^x]*xyz``: every token but those with an "x" keeps the start state; the search tried
+    12 and gave up, so 8 tokens ran out before the "xyz" (no guarantee)."""
+    spec = StructuredOutput(regex="[^x]*xyz")
+    assert backend.min_tokens(spec) <= 3
+    for seed in range(20):
+        matcher = backend.new_matcher(spec, 8)
+        walk = Walk(backend, matcher, short_tokens, seed)
+        text = tokenizer.decode(walk.token_ids)
+        assert re.fullmatch("[^x]*xyz", text, re.DOTALL) and len(walk.token_ids) <= 8, text

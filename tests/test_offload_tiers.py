@@ -9,6 +9,7 @@ import torch
 
 from agentx.engine.kv_cache.hashing import hash_block
 from agentx.engine.offload import DiskTier, HostTier
+from agentx.errors import ConfigError
 
 PAGE = 64
 
@@ -197,3 +198,57 @@ def test_disk_full_skips_with_one_warning(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(disk, "_write_file", real)
     put(disk, [4])
     assert disk.lookup([H(4)]) == 1
+
+
+def test_disk_start_up_skips_stray_entries(tmp_path, caplog):
+    disk = DiskTier(tmp_path, "m", PAGE, capacity_bytes=1 << 20)
+    put(disk, [0, 1])
+    disk.close()
+    fan_out = disk.path_of(H(0)).parent
+    stray_dir = fan_out / ("ab" * 16 + ".kv")  # a directory named like a block
+    stray_dir.mkdir()
+    dangling = fan_out / ("cd" * 16 + ".kv")  # a link named like a block, pointing nowhere
+    dangling.symlink_to(tmp_path / "gone")
+    tmp_dir = fan_out / "ef.kv.tmp123"  # a directory named like a leftover temp file
+    tmp_dir.mkdir()
+    with caplog.at_level(logging.WARNING):
+        again = DiskTier(tmp_path, "m", PAGE, capacity_bytes=1 << 20)
+    assert again.num_skipped_entries == 3
+    assert "skipped 3 unreadable entries" in caplog.text
+    assert again.lookup([H(0), H(1)]) == 2  # the good blocks are all still served
+    assert again.get_stats().num_blocks == 2
+    assert stray_dir.is_dir() and tmp_dir.is_dir()  # never deleted: not ours to remove
+    again.check_integrity()
+
+
+def test_disk_start_up_skips_an_unlistable_fan_out_folder(tmp_path, caplog, monkeypatch):
+    disk = DiskTier(tmp_path, "m", PAGE, capacity_bytes=1 << 20)
+    put(disk, [0])
+    bad = disk.path_of(H(0)).parent
+    real = type(bad).iterdir
+
+    def iterdir(self):
+        if self == bad:  # root ignores mode bits, so a chmod 000 cannot show this in tests
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(type(bad), "iterdir", iterdir)
+    with caplog.at_level(logging.WARNING):
+        again = DiskTier(tmp_path, "m", PAGE, capacity_bytes=1 << 20)
+    assert again.num_skipped_entries == 1 and "Permission denied" in caplog.text
+    assert again.get_stats().num_blocks == 0  # not indexed at start-up ...
+    assert again.lookup([H(0)]) == 1  # ... but adopted when asked for (readable after all)
+
+
+def test_disk_folder_that_cannot_be_used_is_a_config_error(tmp_path, monkeypatch):
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="not-a-folder"):
+        DiskTier(a_file, "m", PAGE, capacity_bytes=1 << 20)
+
+    def read_only(self, *args, **kwargs):  # root ignores mode bits: a read-only mount
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(type(tmp_path), "write_text", read_only)
+    with pytest.raises(ConfigError, match="Read-only file system"):
+        DiskTier(tmp_path / "ro", "m", PAGE, capacity_bytes=1 << 20)

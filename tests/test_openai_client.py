@@ -244,3 +244,31 @@ async def test_tools_with_a_response_format_reply_calls_or_the_answer(client):
     assert set(json.loads(answer.choices[0].message.content)) == {"name", "age"}
     forced = await client.chat.completions.create(messages=ask, tool_choice="required", **both)
     assert forced.choices[0].message.tool_calls[0].function.name == "add"
+
+
+def test_closing_the_sync_client_with_a_stream_open_releases_its_kv(engine):
+    client = OpenAI(engine)
+    stream = client.chat.completions.create(messages=USER, max_tokens=4, stream=True, **GREEDY)
+    next(iter(stream))  # the request runs (and finishes, its KV held for the conversation)
+    client.close()  # was: the held KV of the open stream leaked
+    stats = wait_idle(engine)
+    assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+
+
+async def test_a_run_time_failure_is_a_500_not_a_stop(engine, client, monkeypatch):
+    from agentx.engine.structured import GrammarMatcher
+
+    commit = GrammarMatcher.commit
+
+    def failing(self, token_id):  # the matcher fails past its first token, as at a limit
+        token_id = commit(self, token_id)
+        self.failed = True
+        return token_id
+
+    monkeypatch.setattr(GrammarMatcher, "commit", failing)
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.chat.completions.create(
+            messages=USER, response_format=PERSON_FORMAT, max_tokens=16, **GREEDY
+        )
+    assert info.value.status_code == 500 and info.value.code == "request_failed"
+    assert len(client.service.conversations) == 0

@@ -3,6 +3,7 @@ streamed text split into content and tool calls."""
 
 import json
 
+import anyio
 import pytest
 
 from agentx.errors import (
@@ -10,11 +11,14 @@ from agentx.errors import (
     InvalidRequestError,
     PromptTooLongError,
     RequestAbortedError,
+    RequestFailedError,
 )
+from agentx.openai.api import handle
 from agentx.openai.conversations import ConversationCache, HeldConversation
 from agentx.openai.errors import to_api_error
 from agentx.openai.requests import assistant_key, parse_chat_request
 from agentx.openai.responses import ChoiceText
+from agentx.openai.service import ChatService
 from agentx.session.messages import ToolCall
 from agentx.session.tool_calls import ToolCallParser
 
@@ -122,11 +126,19 @@ def test_assistant_history_renders_calls_in_the_models_markup():
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"temperature": "hot"}, "temperature must be a number"),
         ({"seed": 1.5}, "seed must be an integer"),
+        ({"model": "agentx\ud800"}, "lone surrogate"),  # was: a plain-text 500 at encode
     ],
 )
 def test_refusals_name_the_field(fields, words):
     with pytest.raises(InvalidRequestError, match=words):
         parse_chat_request({**body(), **fields})
+
+
+def test_a_body_nested_too_deeply_is_a_400_not_a_crash():
+    content = b'{"model": "agentx", "messages": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    answer = anyio.run(handle, ChatService(), "POST", "/v1/chat/completions", content)
+    assert answer.status == 400 and answer.body["error"]["type"] == "invalid_request_error"
+    assert "nested too deeply" in answer.body["error"]["message"]
 
 
 def test_refused_fields_at_their_defaults_are_accepted():
@@ -152,6 +164,9 @@ def test_errors_map_to_openai_statuses():
     assert too_long.status == 400 and too_long.body["error"]["code"] == "context_length_exceeded"
     assert to_api_error(RequestAbortedError()).status == 499
     assert to_api_error(EngineClosedError("closed")).status == 503
+    assert to_api_error(RecursionError()).status == 400
+    failed = to_api_error(RequestFailedError("request r failed while it ran"))
+    assert failed.status == 500 and failed.body["error"]["code"] == "request_failed"
     crash = to_api_error(RuntimeError("boom"))
     assert crash.status == 500 and crash.body["error"]["message"] == "RuntimeError: boom"
 

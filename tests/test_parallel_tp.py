@@ -15,6 +15,12 @@ Bit-exact tensor parallelism would need the fused layer's float order across ran
 (docs/BENCHMARKS.md, "Parallel backends").
 """
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -22,6 +28,7 @@ from model_helpers import save_hf_folder, tiny_hf_config
 from parallel_helpers import assert_no_process_left, kill_rank_mid_generation
 from parity import PARITY_PROMPTS, check_close_cached_and_preempted
 
+import agentx
 from agentx import (
     CacheConfig,
     ConfigError,
@@ -148,3 +155,25 @@ def test_head_shards():
         shards(9, 3, 4)  # 3 KV heads cannot be replicated over 4 ranks
     with pytest.raises(ConfigError):
         Engine(_config(4))  # refused before any worker starts
+
+
+def test_tp2_at_module_level_without_a_main_guard_says_to_add_it(tmp_path):
+    """The spawned worker re-imports the script, builds the engine again mid-bootstrap and
+    exits with a word; the parent's error says to add the guard (was: "closed its pipe")."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from agentx import Engine, EngineConfig\n"
+        "from agentx.config import CacheConfig, ParallelConfig\n"
+        "engine = Engine(EngineConfig(cache=CacheConfig(num_blocks=8), "
+        "parallel=ParallelConfig(tp=2)))\n"
+        "engine.close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(agentx.__file__).parent.parent)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.match(r"agentx.errors.EngineDeadError: worker rank [01] exited while importing", last)
+    assert 'if __name__ == "__main__":' in last
+    assert "closed its pipe" not in done.stderr

@@ -354,3 +354,12 @@ def test_calls_after_close_raise_engine_closed():
     engine.release_held_eventually("req-0")
     engine.close()
     assert engine.closed and engine.get_num_live_requests() == 0
+
+
+def test_a_disk_path_that_is_a_file_is_a_config_error(tmp_path):
+    a_file = tmp_path / "cache"
+    a_file.write_text("not a folder")
+    threads = set(threading.enumerate())
+    with pytest.raises(ConfigError, match="cannot hold the disk tier"):  # was: a raw OSError
+        Engine(EngineConfig(cache=POOL, offload=OffloadConfig(disk_path=a_file)))
+    wait_for(lambda: set(threading.enumerate()) <= threads)

@@ -7,16 +7,20 @@ import time
 
 import anyio
 import pytest
+from pydantic import BaseModel
 
 from agentx import (
     InvalidRequestError,
     PromptTooLongError,
     RequestAbortedError,
+    RequestFailedError,
     SamplingParams,
     Session,
     SessionClosedError,
+    SessionError,
     UnknownToolCallError,
 )
+from agentx.engine.structured import GrammarMatcher, StructuredOutput
 from agentx.session.messages import ToolCall
 from agentx.session.tool_exec import execute_call
 from agentx.session.tools import Tool
@@ -198,3 +202,62 @@ async def test_a_session_dropped_without_close_releases_its_kv(default_engine):
     stats = wait_idle(default_engine)
     assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
     default_engine.check_integrity()
+
+
+@pytest.fixture
+def grammar_fails_at_run_time(monkeypatch):
+    """Every constrained request's matcher fails on its second committed token (as llguidance
+    does past one of its limits): what no check at submit could see."""
+    commit = GrammarMatcher.commit
+
+    def failing(self, token_id):
+        self.num_committed = getattr(self, "num_committed", 0) + 1
+        token_id = commit(self, token_id)
+        if self.num_committed == 2:
+            self.failed = True
+        return token_id
+
+    monkeypatch.setattr(GrammarMatcher, "commit", failing)
+
+
+async def test_a_run_time_failure_is_an_error_on_every_surface(
+    default_engine, grammar_fails_at_run_time
+):
+    class Person(BaseModel):
+        name: str
+
+    constrained = SamplingParams(
+        max_tokens=16, structured=StructuredOutput(json_schema=Person.model_json_schema())
+    )
+    with pytest.raises(RequestFailedError, match="grammar_error") as info:
+        default_engine.generate(["Name a person:"], constrained)
+    assert info.value.output.finish_reason == "error"  # was: a Generation, and no exception
+    deltas = []
+    with pytest.raises(RequestFailedError):
+        async for out in default_engine.stream("Name a person:", constrained):
+            deltas.append(out)
+    assert sum(len(d.new_token_ids) for d in deltas) == 1  # the delta before the failure
+    async with Session(default_engine, sampling=SHORT) as s:
+        with pytest.raises(RequestFailedError):  # was: a reply with parsed=None
+            await s.send("Name a person.", response_format=Person)
+        assert s.messages == []  # the turn rolled back
+    stats = wait_idle(default_engine)
+    assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+
+
+async def test_join_refuses_a_session_that_is_not_its_child(default_engine):
+    async with Session(default_engine, sampling=SHORT) as parent:
+        await parent.send("Hi.")
+        child = await parent.fork()
+        grandchild = await child.fork()
+        async with Session(default_engine, sampling=SHORT) as stranger:
+            for others in ([stranger], [child, grandchild]):
+                with pytest.raises(SessionError, match="not"):  # was: joined and closed
+                    await parent.join(others)
+            assert not stranger.closed and not child.closed and not grandchild.closed
+            assert parent.children == [child]
+            last = parent.messages[-1].content  # what the child inherited is its answer
+            assert await parent.join([child]) == [last]  # its own child still joins
+            assert child.closed and grandchild.closed
+    stats = wait_idle(default_engine)
+    assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0

@@ -13,6 +13,7 @@ from agentx import (
     ConfigError,
     Engine,
     EngineConfig,
+    EngineDeadError,
     ParallelConfig,
     RequestAbortedError,
     SamplingParams,
@@ -25,6 +26,7 @@ from agentx.engine.router import (
     ReplicaLoad,
     ReplicaRouter,
     RoundRobinPolicy,
+    RouterStats,
     StickySessionPolicy,
 )
 
@@ -81,6 +83,19 @@ def test_baselines():
     ll = LeastLoadedPolicy()
     assert ll.choose("s", [ReplicaLoad(1, 3), ReplicaLoad(1, 2)]) == 1  # ties: fewer sessions
     assert ll.choose("s", _loads(0, 0)) == 0
+
+
+def test_policies_never_choose_a_dead_replica():
+    dead0 = [ReplicaLoad(0, 0, alive=False), ReplicaLoad(3, 2), ReplicaLoad(5, 0)]
+    assert LeastLoadedPolicy().choose("s", dead0) == 1  # not the dead one's zero load
+    rr = RoundRobinPolicy()
+    assert [rr.choose(None, dead0) for _ in range(4)] == [1, 2, 1, 2]
+    sticky = StickySessionPolicy(prefix_min_tokens=16)
+    assert sticky.choose("a", _loads(0, 0, 0)) == 0
+    assert sticky.choose("a", dead0) == 1  # its home died: placed again, among the live
+    assert sticky.home == {"a": 1}
+    warm_but_dead = [ReplicaLoad(0, 0, 999, alive=False), ReplicaLoad(1, 0), ReplicaLoad(2, 0)]
+    assert sticky.choose("b", warm_but_dead) == 1  # a dead replica's prefix is gone
 
 
 def test_router_over_two_replicas():
@@ -250,3 +265,50 @@ def test_replicas_share_one_step_clock_and_run_their_own_thread_count():
     with ReplicaRouter(unaligned, align_prefills=False) as router:
         assert router.step_clock is None
         assert router.replicas[0].core.scheduler.cadence.clock is None
+
+
+def test_a_dead_replica_gets_no_work_and_its_sessions_move(tmp_path):
+    config = EngineConfig(
+        cache=CacheConfig(num_blocks=64),
+        offload=OffloadConfig(disk_path=tmp_path),
+        parallel=ParallelConfig(dp=2),
+    )
+    with ReplicaRouter(config) as router:
+        a = router.tokenizer.encode("The history of the Roman Empire " * 30)[:180]
+        home, stream = router.add_request(a, GREEDY, session_id="s", hold_kv=True)
+        gen = stream.result(timeout=300)  # 185 tokens computed: 11 full blocks
+        assert home == 0
+        router.replicas[0].flush_offload()  # its blocks landed in the shared tier ...
+
+        def boom():
+            raise RuntimeError("injected fault")
+
+        router.replicas[0].core.step = boom  # ... before its loop crashed
+        with pytest.raises(EngineDeadError):
+            router.replicas[0].add_request("crash it").result(timeout=120)
+        assert router.replicas[0].is_dead
+
+        short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        routed = [router.add_request("def f(x):", short, session_id=f"new-{i}") for i in range(10)]
+        assert [replica for replica, _ in routed] == [1] * 10  # was: 5 of 10 sent to the dead
+        assert all(len(s.result(timeout=300).token_ids) == 2 for _, s in routed)
+
+        turn2 = a + gen.token_ids + [13, 42]  # 188 tokens: 11 full blocks before the last
+        moved, stream = router.add_request(turn2, GREEDY, session_id="s", held_kv=stream.request_id)
+        out = stream.result(timeout=300)
+        assert moved == 1 and out.usage.cached_tokens == 176  # loaded from the disk tier
+        assert len(out.token_ids) == 6
+        assert router.get_stats() == RouterStats(
+            num_replicas=2, num_dead_replicas=1, num_migrations=0, num_moved_sessions=1
+        )
+        assert router.policy.home == {"s": 1, **{f"new-{i}": 1 for i in range(10)}}
+        again, stream = router.add_request(turn2 + out.token_ids, short, session_id="s")
+        assert again == 1 and stream.result(timeout=300).usage.cached_tokens >= 176
+        assert router.get_stats().num_moved_sessions == 1  # it lives on replica 1 now
+        router.check_integrity()
+        assert router.replicas[1].stats().kv_num_held == 0
+        router.replicas[1].core.step = boom
+        with pytest.raises(EngineDeadError):
+            router.replicas[1].add_request("crash it").result(timeout=120)
+        with pytest.raises(EngineDeadError, match="every replica"):
+            router.add_request("def f(x):", short, session_id="last")

@@ -38,6 +38,7 @@ from agentx.engine.streams import Generation, RequestStream
 from agentx.errors import (
     EngineClosedError,
     EngineDeadError,
+    InvalidRequestError,
     RequestAbortedError,
     warn_renamed,
 )
@@ -107,7 +108,13 @@ class Engine(EngineBackend):
         with self._cond:
             self._check_alive()
             if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already live")
+                raise InvalidRequestError(f"request id {rid!r} is already live")
+            if rid in self.core.kv.held and options.held_kv != rid:
+                # holding again under it would silently drop the KV the handle names
+                raise InvalidRequestError(
+                    f"request id {rid!r} names held KV: continue from it (held_kv={rid!r}), "
+                    "release it first, or use another id"
+                )
             self._streams[rid] = stream
             self._new.append((request, stream))
             self._cond.notify()
@@ -298,6 +305,12 @@ class Engine(EngineBackend):
     def get_num_live_requests(self) -> int:
         with self._cond:
             return len(self._streams)
+
+    @property
+    def is_dead(self) -> bool:
+        """The engine loop crashed: every call raises EngineDeadError (a router routes
+        around it)."""
+        return self._dead is not None
 
     def _check_alive(self) -> None:
         if self._dead is not None:

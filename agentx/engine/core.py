@@ -33,6 +33,7 @@ from agentx.engine.offload.fingerprint import checkpoint_digest, page_fingerprin
 from agentx.engine.offload.interface import KVExport, NullOffload, Offload
 from agentx.engine.offload.manager import OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
+from agentx.engine.parallel.bootstrap import refuse_spawn_while_bootstrapping
 from agentx.engine.parallel.executor import Executor, make_executor
 from agentx.engine.request import Request, RequestOptions, RequestStatus
 from agentx.engine.runner.model_runner import DTYPES
@@ -50,6 +51,8 @@ class EngineCore:
         self.config = config
         if config.parallel.dp > 1:
             raise ConfigError("parallel.dp > 1 needs a ReplicaRouter (engine/router.py)")
+        if config.parallel.world_size > 1:  # before the checkpoint loads in a doomed child
+            refuse_spawn_while_bootstrapping()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         checkpoint = load_checkpoint(
@@ -171,9 +174,15 @@ class EngineCore:
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
+            if isinstance(prompt, bytes | bytearray | memoryview):  # iterates as ints
+                raise InvalidRequestError("a prompt is a str or a sequence of token ids, not bytes")
             token_ids = list(prompt)
             vocab = self.spec.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [
+                t
+                for t in token_ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+            ]
             if bad:
                 raise InvalidRequestError(
                     f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}"

@@ -51,6 +51,8 @@ _MAX_VISITS = 3  # states with one mask the search follows
 _REPAIR_NODES = 48  # states a search may expand while a request waits (one step's tokens)
 _START_NODES = 1024  # states the search for a grammar's shortest output may expand
 _MEMO_SIZE = 1 << 14
+_DIVE_TRIES = 1024  # tokens the last-resort dive tries per state
+_DIVE_STEPS = 512  # tokens the last-resort dive may take
 
 
 class CompletionVocab:
@@ -86,6 +88,18 @@ class CompletionVocab:
         done = set(ranked.tolist())
         yield from (t for t in ends if t not in done and t != self.eos_token_id)
 
+    def all_candidates(self, mask: bytes) -> Iterator[int]:
+        """Every allowed token but EOS: the ranked ones first, then the rest shortest first."""
+        words = np.frombuffer(mask, dtype=np.uint32)
+        ranked = _allowed(words, self._ranked).tolist()
+        yield from ranked
+        done = set(ranked)
+        yield from (
+            t
+            for t in _allowed(words, self._by_length).tolist()
+            if t not in done and t != self.eos_token_id
+        )
+
 
 def _allowed(words: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
     """The ``token_ids`` (kept in order) whose bit is set in the packed mask ``words``."""
@@ -101,6 +115,9 @@ class CompletionSearch:
         self.vocab = vocab
         self._memo: dict[int, Plan] = {}  # mask hash -> a plan found from a state with it
         self._shortest: dict[int, Plan] = {}  # the same for thorough searches (start states)
+        # the first error a matcher copy hit on a token its mask allowed (llguidance's own
+        # limits: too many parser items, a row over its cap): the grammar fails when run
+        self.failure: str | None = None
 
     @property
     def eos_token_id(self) -> int:
@@ -115,6 +132,8 @@ class CompletionSearch:
         if plan is not None and self.completes(matcher, plan):
             return plan
         plan = self._search(matcher, mask, 1 << 30, _START_NODES, greedy=False)
+        if plan is None and self.failure is None:
+            plan = self._dive(matcher, mask)
         if plan is not None:
             self._remember(mask, plan)
             self._shortest[hash(mask)] = plan
@@ -169,6 +188,43 @@ class CompletionSearch:
                         break
         return None
 
+    def _dive(self, matcher: Matcher, mask: bytes) -> Plan | None:
+        """The last resort for a start state: one greedy walk taking, at each state, the first
+        allowed token (closers, short values, then every token shortest first) that ends the
+        grammar or changes its mask. It gets through what the mask cannot count (30 required
+        items look alike) and past the one letter among thousands (``[^x]*xyz``); a plan it
+        finds is a real one, not always the shortest."""
+        plan: Plan = ()
+        state = matcher
+        while len(plan) < _DIVE_STEPS:
+            for token_id in itertools.islice(self.vocab.all_candidates(mask), _DIVE_TRIES):
+                child, steps = self._step(state, token_id)
+                if child is None:
+                    continue
+                if child.is_accepting():
+                    return plan + steps
+                child_mask = child.compute_bitmask()
+                if child_mask != mask:
+                    break
+            else:
+                return None
+            plan, state, mask = plan + steps, child, child_mask
+        return None
+
+    def _step(self, state: Matcher, token_id: int) -> tuple[Matcher | None, Plan]:
+        """A copy of ``state`` past ``token_id`` and the tokens it forces; None if it fails
+        (an llguidance error is kept in ``failure``)."""
+        child = state.deep_copy()
+        steps: Plan = (token_id,)
+        if child.consume_token(token_id):
+            forced = child.compute_ff_tokens()
+            if forced and child.consume_tokens(forced):
+                steps += tuple(forced)
+        if child.is_error():
+            self.failure = self.failure or child.get_error() or "the grammar stopped"
+            return None, steps
+        return child, steps
+
     def _children(
         self, state: Matcher, mask: bytes, seen: dict[int, int]
     ) -> Iterator[tuple[Plan, Matcher, bytes | None]]:
@@ -181,13 +237,9 @@ class CompletionSearch:
         share a mask: ``[a-z]+@[a-z]+`` allows letters alone before and after the ``@``)."""
         kept, same = 0, None
         for token_id in itertools.islice(self.vocab.candidates(mask), _MAX_TRIES):
-            child = state.deep_copy()
-            if not child.consume_token(token_id):
+            child, steps = self._step(state, token_id)
+            if child is None:
                 continue
-            steps = (token_id,)
-            forced = child.compute_ff_tokens()
-            if forced and child.consume_tokens(forced):
-                steps += tuple(forced)
             child_mask = None if child.is_accepting() else child.compute_bitmask()
             if child_mask is not None:
                 if child_mask == mask:

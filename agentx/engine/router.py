@@ -44,6 +44,15 @@ replica sets its ``num_threads`` on the thread that builds it, and the loop thre
 then runs with that count (tests/test_router.py: two replicas at 1 thread each, the caller's
 thread keeps its own).
 The loop threads share the GIL for the Python side of their steps (the ops release it).
+
+A dead replica (its loop crashed: ``Engine.is_dead``) gets no more work. Its load says
+``alive=False``; the built-in policies choose among the live replicas only, and the router
+falls back to the least-loaded live replica if a policy chooses a dead one anyway. A session
+whose home died moves on its next turn: its prefix loads from a tier the replicas share when
+there is one (what the dead replica wrote through before it died), else is recomputed; held KV
+named by the request died with the replica, so the request runs without it. ``get_stats``
+counts the dead replicas and the moved sessions. With every replica dead the router raises
+EngineDeadError.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ from agentx.engine.client import Engine, Prompt
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.scheduler import StepClock
 from agentx.engine.streams import RequestStream
-from agentx.errors import ConfigError
+from agentx.errors import ConfigError, EngineDeadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,15 @@ class ReplicaLoad:
     # leading tokens of this request that the router last sent here in some prompt (whole
     # blocks; an estimate of the prefix hit there: the replica may have evicted them since)
     num_cached_tokens: int = 0
+    alive: bool = True  # False: the replica's loop crashed; never choose it
+
+
+@dataclass(frozen=True, slots=True)
+class RouterStats:
+    num_replicas: int
+    num_dead_replicas: int
+    num_migrations: int  # sessions moved with their KV off a live, overloaded home
+    num_moved_sessions: int  # sessions moved off a dead home (their held KV lost)
 
 
 class PrefixIndex:
@@ -146,8 +164,10 @@ class RouterPolicy(ABC):
 
 
 def least_loaded(loads: Sequence[ReplicaLoad]) -> int:
-    """Fewest live requests, then fewest sessions, then the lowest index."""
-    return min(range(len(loads)), key=lambda r: (loads[r].num_live_requests, loads[r].num_sessions))
+    """The live replica with the fewest live requests, then fewest sessions, then the lowest
+    index (a dead replica has no load: it would always look least loaded)."""
+    live = [r for r in range(len(loads)) if loads[r].alive] or range(len(loads))
+    return min(live, key=lambda r: (loads[r].num_live_requests, loads[r].num_sessions))
 
 
 class RoundRobinPolicy(RouterPolicy):
@@ -155,7 +175,11 @@ class RoundRobinPolicy(RouterPolicy):
         self._next = itertools.count()
 
     def choose(self, session_id: str | None, loads: Sequence[ReplicaLoad]) -> int:
-        return next(self._next) % len(loads)
+        for _ in range(len(loads)):  # skips dead replicas
+            replica = next(self._next) % len(loads)
+            if loads[replica].alive:
+                return replica
+        return replica
 
 
 class LeastLoadedPolicy(RouterPolicy):
@@ -195,6 +219,8 @@ class StickySessionPolicy(RouterPolicy):
         self.home: dict[str, int] = {}
 
     def choose(self, session_id: str | None, loads: Sequence[ReplicaLoad]) -> int:
+        if session_id in self.home and not loads[self.home[session_id]].alive:
+            del self.home[session_id]  # its home died: placed again, as a first turn
         if session_id is not None and session_id in self.home:
             home = self.home[session_id]
             if self.migrate_after is None:
@@ -215,7 +241,7 @@ class StickySessionPolicy(RouterPolicy):
         if self.prefix_min_tokens is None:
             return idle
         warm = max(
-            range(len(loads)),
+            [r for r in range(len(loads)) if loads[r].alive] or range(len(loads)),
             key=lambda r: (loads[r].num_cached_tokens, -loads[r].num_live_requests, -r),
         )
         cached = loads[warm].num_cached_tokens
@@ -296,6 +322,7 @@ class ReplicaRouter:
         )
         self._sessions: list[set[str]] = [set() for _ in self.replicas]
         self.migrations: list[Migration] = []
+        self.num_moved_sessions = 0  # off a dead replica
         self.tokenizer = self.replicas[0].tokenizer
 
     def add_request(
@@ -316,13 +343,21 @@ class ReplicaRouter:
         with self._lock:
             cached = self.prefix_index.matched_tokens(hashes)
             loads = [
-                ReplicaLoad(engine.get_num_live_requests(), len(sessions), n)
+                ReplicaLoad(
+                    engine.get_num_live_requests(), len(sessions), n, alive=not engine.is_dead
+                )
                 for engine, sessions, n in zip(self.replicas, self._sessions, cached, strict=True)
             ]
+            if not any(load.alive for load in loads):
+                raise EngineDeadError("every replica of the router is dead")
             source = self._placed_on(session_id)
             replica = self.policy.choose(session_id, loads)
+            if not loads[replica].alive:  # a policy that does not look at ``alive``
+                replica = least_loaded(loads)
             if session_id is not None:
-                if source is not None and source != replica and self.policy.migrates_kv:
+                if source is not None and not loads[source].alive:
+                    options = self._move_off_dead(options)
+                elif source is not None and source != replica and self.policy.migrates_kv:
                     options = self._migrate(session_id, source, replica, options)
                 for r, sessions in enumerate(self._sessions):
                     (sessions.add if r == replica else sessions.discard)(session_id)
@@ -334,6 +369,24 @@ class ReplicaRouter:
             if session_id in sessions:
                 return r
         return None
+
+    def _move_off_dead(self, options: dict) -> dict:
+        """A session whose home died: its held KV died with it (the request runs without it;
+        its prefix loads from a shared tier when there is one, else is recomputed)."""
+        self.num_moved_sessions += 1
+        options = {**options, "held_kv": None}
+        if options.get("options") is not None:
+            options["options"] = replace(options["options"], held_kv=None)
+        return options
+
+    def get_stats(self) -> RouterStats:
+        with self._lock:
+            return RouterStats(
+                num_replicas=len(self.replicas),
+                num_dead_replicas=sum(engine.is_dead for engine in self.replicas),
+                num_migrations=len(self.migrations),
+                num_moved_sessions=self.num_moved_sessions,
+            )
 
     def _migrate(self, session_id: str, source: int, target: int, options: dict) -> dict:
         """Make the session's KV on ``source`` loadable on ``target``; the request's options
@@ -374,7 +427,8 @@ class ReplicaRouter:
             self.policy.check_integrity(placement)
             self.prefix_index.check_integrity()
         for engine in self.replicas:
-            engine.check_integrity()
+            if not engine.is_dead:  # a crashed loop may have left its state half-stepped
+                engine.check_integrity()
 
     def close(self) -> None:
         for engine in self.replicas:

@@ -22,6 +22,13 @@ from agentx.errors import SamplingParamsError
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20  # top-k pairs a request may ask for (OpenAI's top_logprobs limit)
+# seeds are mixed with the output index modulo 2**63 (runner/sampler.py): a wider one would
+# silently alias another
+MAX_SEED = 2**63 - 1
+# OpenAI allows 4 stop strings; these bounds keep the per-token stop scan (and the text held
+# back while a stop string may still be completing) small for every request in the batch
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -71,10 +78,21 @@ class SamplingParams:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise SamplingParamsError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise SamplingParamsError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise SamplingParamsError(
+                f"seed must be None or an int in [0, 2**63 - 1], got {self.seed!r}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError(f"stop strings must be non-empty str, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"
+            )
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise SamplingParamsError(
+                f"a stop string has at most {MAX_STOP_STRING_CHARS} characters, got one of "
+                f"{max(len(s) for s in self.stop)}"
+            )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise SamplingParamsError("structured must be a StructuredOutput")
         if not isinstance(self.ignore_eos, bool) or not isinstance(

@@ -18,6 +18,7 @@ import anyio
 
 from agentx.engine.outputs import RequestOutput, TokenLogprob
 from agentx.engine.sampling import SamplingParams
+from agentx.errors import RequestFailedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,12 @@ class RequestStream:
             self.text += out.new_text
             if out.finished:
                 self._done, self.final = True, out
+                if out.finish_reason == "error":
+                    raise RequestFailedError(
+                        f"request {self.request_id} failed while it ran "
+                        f"(stop reason {out.stop_reason!r})",
+                        out,
+                    )
             return out
         if self._error is not None:
             self._done = True

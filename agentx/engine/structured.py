@@ -97,8 +97,10 @@ class StructuredOutput:
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:
+            # one lexeme (a terminal): the lexer matches any number of choices, where one
+            # parser alternative each overflows llguidance's row (2,000 items) at run time
             alternatives = " | ".join(json.dumps(c) for c in self.choice)
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+            return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {alternatives}")
         return llguidance.LLMatcher.grammar_from_lark(self.grammar)
 
 
@@ -210,6 +212,11 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
+def _first_line(matcher: llguidance.LLMatcher) -> str:
+    """llguidance's error without the parser state dump that follows it."""
+    return (matcher.get_error() or "the grammar stopped").splitlines()[0]
+
+
 def _bit_word(bit: int) -> int:
     """The int32 word with only ``bit`` set."""
     return (1 << bit) - (1 << 32 if bit == 31 else 0)
@@ -273,12 +280,21 @@ class GrammarBackend:
         import llguidance
 
         matcher = llguidance.LLMatcher(self._tokenizer, self.compile(spec))
+        matcher.compute_bitmask()  # a start that leads nowhere ({"$ref": "#"}) fails here
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid structured output: {matcher.get_error()}")
+            raise InvalidRequestError(
+                f"invalid structured output: no output satisfies it ({_first_line(matcher)})"
+            )
         if max_tokens is None:
             return GrammarMatcher(matcher)
         search = self._search_for(spec.key())
         plan = search.shortest(matcher)
+        if plan is None and search.failure is not None:
+            reason = search.failure.splitlines()[0]
+            raise InvalidRequestError(
+                "invalid structured output: it fails when run, before any output completes "
+                f"it (no finite output, or over llguidance's limits: {reason})"
+            )
         if plan is None:  # no completion found within the search's limits: no guarantee
             return GrammarMatcher(matcher)
         if len(plan) > max_tokens:

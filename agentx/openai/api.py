@@ -54,6 +54,8 @@ async def handle(service: ChatService, method: str, path: str, content: bytes) -
         body = json.loads(content or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         return _error(error_body(400, f"the body is not JSON: {exc}", "invalid_request_error"))
+    except RecursionError:
+        return _error(error_body(400, "the body is nested too deeply", "invalid_request_error"))
     return await chat_completions(service, body)
 
 

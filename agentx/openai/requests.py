@@ -91,6 +91,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(stream_options, Mapping):
         raise InvalidRequestError("stream_options must be an object")
     model = body.get("model")
+    if isinstance(model, str) and not _encodable(model):
+        raise InvalidRequestError("model must be valid Unicode text (it holds a lone surrogate)")
     return ChatRequest(
         model=model if isinstance(model, str) and model else None,
         system=system,
@@ -313,3 +315,13 @@ def _int(body: Mapping, name: str, default: int) -> int:
 def _given(value: Any) -> bool:
     """A refused field counts only when it asks for something (false, 0, null are defaults)."""
     return value not in (None, False, 0, 0.0, {}, [])
+
+
+def _encodable(text: str) -> bool:
+    """``text`` encodes to UTF-8: a JSON ``"\\ud800"`` decodes to a lone surrogate, which
+    cannot (the reply that echoes it would fail after the request ran)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

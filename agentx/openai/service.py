@@ -26,7 +26,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from agentx.engine.client import Engine
 from agentx.engine.request import RequestOptions
-from agentx.engine.sampling import SamplingParams
+from agentx.engine.sampling import MAX_SEED, SamplingParams
 from agentx.engine.streams import RequestStream
 from agentx.openai.conversations import ConversationCache, HeldConversation
 from agentx.openai.requests import ChatRequest, assistant_key, parse_chat_request
@@ -92,6 +92,7 @@ class ChatService:
         self.owns_engine = owns_engine
         self._parser = ToolCallParser()
         self._conversations = ConversationCache(max_held_conversations, self._release)
+        self._live: dict[int, _Call] = {}  # calls started and not ended, by id()
         self._closed = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -111,6 +112,8 @@ class ChatService:
         if self._closed:
             return
         self._closed = True
+        for call in list(self._live.values()):  # a stream still open: its KV is nobody's
+            self._end(call)
         self._conversations.clear()
         if self.owns_engine and self._engine is not None:
             self._engine.close()
@@ -211,6 +214,7 @@ class ChatService:
             model=request.model or self.model_name,
         )
         call = _Call(request, header, context, prompt, [], handles, parse_tool_calls)
+        self._live[id(call)] = call
         try:
             for index in range(request.n):
                 options = RequestOptions(
@@ -252,11 +256,19 @@ class ChatService:
         return result
 
     def _end(self, call: _Call) -> None:
-        """Abort what still runs; release held KV a stream never got to adopt."""
+        """Abort what still runs; release held KV a stream never got to adopt. Once per call
+        (the stream's end and the service's close may both come)."""
+        if self._live.pop(id(call), None) is None:
+            return
         engine = self._engine
         for stream in call.streams:
             if not stream.finished:
                 engine.abort(stream.request_id)
+                # it may have finished (its KV held under its id) before the abort reaches
+                # the loop, which applies aborts before releases
+                self._release(stream.request_id)
+            elif stream.final is not None and stream.final.finish_reason not in ("stop", "length"):
+                self._release(stream.request_id)  # failed: no conversation continues from it
         for index, handle in enumerate(call.handles):
             stream = call.streams[index] if index < len(call.streams) else None
             if stream is None or not stream.finished or stream.final is None:
@@ -306,7 +318,7 @@ def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s sampling: a given seed is offset so choices differ, reproducibly."""
     if index == 0 or sampling.seed is None:
         return sampling
-    return replace(sampling, seed=sampling.seed + index)
+    return replace(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))  # stays in range
 
 
 def _deltas(header, index, text: ChoiceText, shown: str, calls) -> list[ChatCompletionChunk]:

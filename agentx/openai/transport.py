@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 
 import httpx2
@@ -84,6 +85,7 @@ class _LoopThread:
 class _SyncEvents(httpx2.SyncByteStream):
     def __init__(self, events: SSEEvents, loop: _LoopThread) -> None:
         self._events, self._loop = events, loop
+        self._closed = False
 
     def __iter__(self) -> Iterator[bytes]:
         while True:
@@ -93,6 +95,10 @@ class _SyncEvents(httpx2.SyncByteStream):
                 return
 
     def close(self) -> None:
+        """Idempotent; after the transport closed (and ended this stream) a no-op."""
+        if self._closed or self._loop.loop.is_closed():
+            return
+        self._closed = True
         self._loop.run(self._events.aclose())
 
 
@@ -101,17 +107,22 @@ class InProcessTransport(httpx2.BaseTransport):
         self.service = service
         self.owns_service = owns_service
         self._loop = _LoopThread()
+        self._open: weakref.WeakSet[_SyncEvents] = weakref.WeakSet()  # streams not closed
         self._closed = False
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         content = request.read()
         answer = self._loop.run(handle(self.service, request.method, request.url.path, content))
         events = _SyncEvents(answer.events, self._loop) if answer.events is not None else None
+        if events is not None:
+            self._open.add(events)
         return _response(answer, request, events)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            for events in list(self._open):  # a stream still open ends its call (its KV)
+                events.close()
             if self.owns_service:
                 self.service.close()
             self._loop.stop()

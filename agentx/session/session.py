@@ -33,6 +33,7 @@ from agentx.errors import (
     InvalidRequestError,
     PromptTooLongError,
     SessionClosedError,
+    SessionError,
     TurnInProgressError,
     UnknownToolCallError,
 )
@@ -489,7 +490,15 @@ class Session:
         self, children: list[Session], *, call_ids: list[str] | None = None, close: bool = True
     ) -> list[str]:
         """Fold the children's last answers back: as tool results for ``call_ids`` (one per
-        child), else as one user message for the next turn. Returns the answers."""
+        child), else as one user message for the next turn. Returns the answers. SessionError
+        for a session that is not this one's child (forked from it), before anything is folded
+        or closed."""
+        strangers = [child for child in children if child._parent is not self]
+        if strangers:
+            raise SessionError(
+                f"join takes this session's children (its forks); {len(strangers)} of the "
+                f"{len(children)} given are not"
+            )
         answers = [child._last_answer() for child in children]
         if call_ids is not None:
             if len(call_ids) != len(children):

@@ -50,6 +50,7 @@ from agentx.engine.disagg.flight import (
 from agentx.engine.disagg.instance import EngineInstance
 from agentx.engine.offload.mooncake_master import MooncakeMaster
 from agentx.engine.outputs import EngineStats, RequestOutput
+from agentx.engine.parallel.bootstrap import refuse_spawn_while_bootstrapping
 from agentx.engine.request import RequestOptions
 from agentx.engine.router import has_shared_tier
 from agentx.engine.sampling import SamplingParams
@@ -106,6 +107,7 @@ class DisaggCoordinator:
         self._releases: set[futures.Future] = set()  # queued by _release_soon
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentx-handover")
+        refuse_spawn_while_bootstrapping()
         context = multiprocessing.get_context("spawn")  # fork would copy the caller's threads
         self.prefill: list[EngineInstance] = []
         self.decode: list[EngineInstance] = []

@@ -32,6 +32,7 @@ from agentx.engine.disagg.worker import (
     run_instance,
 )
 from agentx.engine.outputs import RequestOutput
+from agentx.engine.parallel.bootstrap import unguarded_main_error
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.errors import EngineClosedError, InstanceDeadError
@@ -88,6 +89,9 @@ class EngineInstance:
         if not isinstance(message, InstanceReady):
             self.process.join(_CLOSE_TIMEOUT_S)
             detail = message.error if isinstance(message, InstanceFailure) else "no word"
+            unguarded = unguarded_main_error(self.process.exitcode, self.name)
+            if unguarded is not None:
+                raise InstanceDeadError(str(unguarded), self.name)
             raise InstanceDeadError(
                 f"{self.name} (pid {self.pid}) failed to start, exit {self.process.exitcode}:"
                 f"\n{detail}",

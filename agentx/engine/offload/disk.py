@@ -18,6 +18,11 @@ warning per episode. LRU order survives restarts through file mtimes (a load tou
 One process owns a folder at a time (the index lives in memory); two processes on one folder
 stay safe, not efficient: a block the other deleted fails its read and is recomputed. Files are
 not fsynced: after a crash a torn file fails its checksum, never serves wrong bytes.
+
+Start-up never stops on a stray entry: a directory or a dangling link named like a block, a
+leftover temp directory or an unreadable sub-folder is skipped with one warning and counted in
+``num_skipped_entries``. A folder that cannot be used at all (``root`` names a file, or it cannot
+be created or written) raises ``ConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.offload.index import IndexedTier, IndexEntry
+from agentx.errors import ConfigError
 
 __all__ = ["DiskTier"]
 
@@ -75,10 +81,17 @@ class DiskTier(IndexedTier):
     ) -> None:
         super().__init__(name, page_bytes, capacity=capacity_bytes)
         self.folder = namespace_dir(root, fingerprint)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / "FINGERPRINT").write_text(fingerprint)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / "FINGERPRINT").write_text(fingerprint)
+        except OSError as exc:
+            raise ConfigError(
+                f"offload.disk_path {os.fspath(root)!r} cannot hold the disk tier's cache "
+                f"folder {self.folder}: {exc}"
+            ) from exc
         self._pending_unlinks: list[Path] = []
         self._full = False  # inside a disk-full episode: warned once already
+        self.num_skipped_entries = 0  # stray or unreadable entries ignored at start-up
         self._rebuild_index()
 
     @property
@@ -90,21 +103,33 @@ class DiskTier(IndexedTier):
         return self.folder / hexed[:2] / f"{hexed}.kv"
 
     def _rebuild_index(self) -> None:
-        found = []
-        for sub in self.folder.iterdir():
+        found: list[tuple[int, BlockHash]] = []
+        skipped: list[str] = []
+        try:
+            subs = sorted(self.folder.iterdir())
+        except OSError as exc:
+            raise ConfigError(
+                f"disk tier: cannot list the cache folder {self.folder}: {exc}"
+            ) from exc
+        for sub in subs:
             if not sub.is_dir():
                 continue
-            for path in sub.iterdir():
-                if ".tmp" in path.name:  # a write that never finished (crash)
-                    path.unlink(missing_ok=True)
+            for path in self._list(sub, skipped):
+                try:
+                    block = self._scan_entry(path)
+                except OSError as exc:
+                    skipped.append(f"{path} ({exc.strerror or exc})")
                     continue
-                if not _NAME.match(path.name):
-                    continue
-                st = path.stat()
-                if st.st_size != self.file_bytes:
-                    path.unlink(missing_ok=True)
-                    continue
-                found.append((st.st_mtime_ns, bytes.fromhex(path.name[:-3])))
+                if block is not None:
+                    found.append(block)
+        if skipped:
+            self.num_skipped_entries += len(skipped)
+            logger.warning(
+                "disk tier %s: skipped %d unreadable entries at start-up: %s",
+                self.folder,
+                len(skipped),
+                "; ".join(skipped[:5]) + ("; ..." if len(skipped) > 5 else ""),
+            )
         found.sort()
         with self._lock:
             for _, block_hash in found:
@@ -115,6 +140,31 @@ class DiskTier(IndexedTier):
                     entry.storing = False
             self._evicted.clear()
         self._flush_unlinks()
+
+    @staticmethod
+    def _list(folder: Path, skipped: list[str]) -> list[Path]:
+        try:
+            return sorted(folder.iterdir())
+        except OSError as exc:
+            skipped.append(f"{folder} ({exc.strerror or exc})")
+            return []
+
+    def _scan_entry(self, path: Path) -> tuple[int, BlockHash] | None:
+        """(mtime, hash) of a good block file; None for a file to ignore. Deletes leftover temp
+        files and wrong-sized blocks; raises OSError for what it cannot read or delete (a
+        directory or a dangling link named like a block, a temp directory)."""
+        if ".tmp" in path.name:  # a write that never finished (crash)
+            path.unlink(missing_ok=True)
+            return None
+        if not _NAME.match(path.name):
+            return None
+        st = path.stat()  # follows links: a dangling one raises here
+        if not path.is_file():
+            raise IsADirectoryError(errno.EISDIR, "not a regular file")
+        if st.st_size != self.file_bytes:
+            path.unlink(missing_ok=True)
+            return None
+        return st.st_mtime_ns, bytes.fromhex(path.name[:-3])
 
     def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
         """Present blocks; a block file another process wrote since (a shared cache folder) is

@@ -26,6 +26,10 @@ from agentx.config import EngineConfig
 from agentx.engine.kv_cache import BlockCopy
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
+from agentx.engine.parallel.bootstrap import (
+    refuse_spawn_while_bootstrapping,
+    unguarded_main_error,
+)
 from agentx.engine.parallel.executor import Executor
 from agentx.engine.parallel.worker import (
     CLOSE,
@@ -52,6 +56,7 @@ class MultiprocExecutor(Executor):
         self._closed = False
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[Connection] = []
+        refuse_spawn_while_bootstrapping()
         context = multiprocessing.get_context("spawn")  # fork would copy the caller's threads
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         backend = _backend(config)
@@ -155,19 +160,25 @@ class MultiprocExecutor(Executor):
                 if conn in waiting and conn.poll():  # its last words (a failure) first
                     del waiting[conn]
                     results[rank] = self._receive(conn, rank)
-                self._procs[rank].join(1.0)  # its sentinel fires just before it is reapable
-                code = self._procs[rank].exitcode
-                self._fail(f"worker rank {rank} (pid {self._procs[rank].pid}) died, exit {code}")
+                self._fail_exited(rank, "died")
         return [results[r] for r in ranks]
 
     def _receive(self, conn: Connection, rank: int) -> Any:
         try:
             result = conn.recv()
         except (EOFError, OSError):
-            self._fail(f"worker rank {rank} closed its pipe")
+            self._fail_exited(rank, "closed its pipe")
         if isinstance(result, WorkerFailure):
             self._fail(f"worker rank {rank} raised:\n{result.error}")
         return result
+
+    def _fail_exited(self, rank: int, what: str) -> None:
+        proc = self._procs[rank]
+        proc.join(1.0)  # its sentinel fires (its pipe closes) just before it is reapable
+        unguarded = unguarded_main_error(proc.exitcode, f"worker rank {rank}")
+        if unguarded is not None:
+            self._fail(str(unguarded))
+        self._fail(f"worker rank {rank} (pid {proc.pid}) {what}, exit {proc.exitcode}")
 
     def _fail(self, reason: str) -> None:
         self._dead = reason

@@ -137,7 +137,7 @@ async def test_errors(server, client):
         await client.chat.completions.create(messages=big, max_tokens=4, **GREEDY)
     assert info.value.status_code == 413 and info.value.code == "request_too_large"
     async with httpx2.AsyncClient() as http:
-        headers = {"authorization": f"Bearer {API_KEY}"}
+        headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
         bad_json = await http.post(
             server.base_url + "/chat/completions", content=b"{", headers=headers
         )

@@ -360,3 +360,23 @@ def test_startup_log_line(engine, caplog):
 
 def _t0():
     return {"temperature": 0}
+
+
+async def test_a_base_model_without_chat_template_completes(make_engine):
+    from agentx.engine.models.loader import gemma3_270m_path
+    from agentx.openai import AsyncOpenAI
+
+    engine = make_engine(model=str(gemma3_270m_path()))
+    assert engine.tokenizer.chat_template is None
+    client = AsyncOpenAI(engine)
+    try:
+        reply = await client.completions.create(
+            model="agentx", prompt="The capital of France is", max_tokens=4, temperature=0
+        )
+        assert reply.choices[0].text and reply.usage.completion_tokens == 4
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            await client.chat.completions.create(
+                model="agentx", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+            )
+    finally:
+        await client.close()

@@ -237,7 +237,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, chat_template: str | N
         allowed_hosts=args.allowed_hosts,
         allowed_origins=args.allowed_origins,
     )
-    logger.info("serving on http://%s:%d/v1", args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    logger.info("serving on http://%s:%d/v1", host, port)
     config = uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     try:
         uvicorn.Server(config).run(sockets=[sock])

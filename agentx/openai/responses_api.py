@@ -25,15 +25,26 @@ Bodies are JSON-ready dicts. It does not know HTTP.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from agentx.errors import InvalidRequestError
+from agentx.openai.responses_items import (
+    chat_response_format,
+    chat_tool_choice,
+    chat_tools,
+    copy_item,
+    input_messages,
+    message_item,
+    new_id,
+    output_items,
+    response_body,
+    response_status,
+    response_usage,
+)
 from agentx.openai.service import ChatService
 
 __all__ = ["ResponsesService"]
@@ -59,9 +70,9 @@ class ResponsesService:
         choice = completion.choices[0]
         message = choice.message
         calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or []]
-        response = _response(body, _new_id("resp"), _status(choice.finish_reason))
-        response["output"] = _output_items(message.content or "", calls)
-        response["usage"] = _usage(completion.usage.model_dump())
+        response = response_body(body, new_id("resp"), response_status(choice.finish_reason))
+        response["output"] = output_items(message.content or "", calls)
+        response["usage"] = response_usage(completion.usage.model_dump())
         self._store(response, tenant, messages, message.content, calls, body)
         return response
 
@@ -79,7 +90,7 @@ class ResponsesService:
         if not isinstance(body, Mapping):
             raise InvalidRequestError("the request body must be a JSON object")
         messages = self._previous(body.get("previous_response_id"), tenant)
-        messages += _input_messages(body.get("input"))
+        messages += input_messages(body.get("input"))
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise InvalidRequestError("instructions must be a string")
@@ -87,9 +98,9 @@ class ResponsesService:
         chat = {
             "model": body.get("model"),
             "messages": system + messages,
-            "tools": _tools(body.get("tools")),
-            "tool_choice": _tool_choice(body.get("tool_choice")),
-            "response_format": _text_format(body.get("text")),
+            "tools": chat_tools(body.get("tools")),
+            "tool_choice": chat_tool_choice(body.get("tool_choice")),
+            "response_format": chat_response_format(body.get("text")),
             "max_tokens": body.get("max_output_tokens"),
         }
         for name in ("temperature", "top_p", "parallel_tool_calls", "prompt_cache_key", "user"):
@@ -149,21 +160,21 @@ class _EventStream:
         return event
 
     async def _produce(self) -> AsyncIterator[dict]:
-        response = _response(self._body, _new_id("resp"), "in_progress")
+        response = response_body(self._body, new_id("resp"), "in_progress")
         yield self._event("response.created", response=dict(response))
         yield self._event("response.in_progress", response=dict(response))
         items: list[dict] = []
-        text, calls, usage, finish = None, {}, None, "stop"
+        text, calls, chat_usage, finish = None, {}, None, "stop"
         try:
             async for chunk in self._chunks:
                 if chunk.usage is not None:
-                    usage = chunk.usage.model_dump()
+                    chat_usage = chunk.usage.model_dump()
                 for choice in chunk.choices[:1] if chunk.choices else ():
                     finish = choice.finish_reason or finish
                     delta = choice.delta
                     if delta.content:
                         if text is None:
-                            text = _message_item()
+                            text = message_item()
                             for event in self._open_message(items, text):
                                 yield event
                         text["content"][0]["text"] += delta.content
@@ -182,7 +193,9 @@ class _EventStream:
             await self._chunks.aclose()
         for event in self._close_all(items):
             yield event
-        response.update(status=_status(finish), output=items, usage=_usage(usage or {}))
+        response.update(
+            status=response_status(finish), output=items, usage=response_usage(chat_usage or {})
+        )
         response["completed_at"] = int(time.time())
         done_calls = [(c["call_id"], c["name"], c["arguments"]) for c in calls.values()]
         content = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
@@ -196,7 +209,7 @@ class _EventStream:
         index = len(items) - 1
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
-            self._event("response.output_item.added", output_index=index, item=_copy(item)),
+            self._event("response.output_item.added", output_index=index, item=copy_item(item)),
             self._event(
                 "response.content_part.added",
                 item_id=item["id"],
@@ -213,7 +226,7 @@ class _EventStream:
                 events += self._done_events(items, text)
             item = {
                 "type": "function_call",
-                "id": _new_id("fc"),
+                "id": new_id("fc"),
                 "call_id": call.id,
                 "name": call.function.name,
                 "arguments": "",
@@ -223,7 +236,7 @@ class _EventStream:
             calls[call.index] = item
             events.append(
                 self._event(
-                    "response.output_item.added", output_index=len(items) - 1, item=_copy(item)
+                    "response.output_item.added", output_index=len(items) - 1, item=copy_item(item)
                 )
             )
         item = calls[call.index]
@@ -267,7 +280,7 @@ class _EventStream:
                     item_id=item["id"],
                     output_index=index,
                     content_index=0,
-                    part=_copy(part),
+                    part=copy_item(part),
                 ),
             ]
         else:
@@ -281,171 +294,6 @@ class _EventStream:
                 )
             ]
         events.append(
-            self._event("response.output_item.done", output_index=index, item=_copy(item))
+            self._event("response.output_item.done", output_index=index, item=copy_item(item))
         )
         return events
-
-
-# ---- bodies ----------------------------------------------------------------------------------
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _copy(item: dict) -> dict:
-    return json.loads(json.dumps(item))
-
-
-def _status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-def _response(body: Mapping, response_id: str, status: str) -> dict[str, Any]:
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": int(time.time()),
-        "status": status,
-        "model": body.get("model") or "agentx",
-        "instructions": body.get("instructions"),
-        "previous_response_id": body.get("previous_response_id"),
-        "output": [],
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "tool_choice": body.get("tool_choice") or "auto",
-        "tools": list(body.get("tools") or []),
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete" else None),
-        "error": None,
-        "usage": None,
-    }
-
-
-def _message_item(text: str = "") -> dict:
-    return {
-        "type": "message",
-        "id": _new_id("msg"),
-        "role": "assistant",
-        "status": "in_progress",
-        "content": [{"type": "output_text", "text": text, "annotations": []}],
-    }
-
-
-def _output_items(content: str, calls: list[tuple[str, str, str]]) -> list[dict]:
-    items = []
-    if content:
-        items.append({**_message_item(content), "status": "completed"})
-    for call_id, name, arguments in calls:
-        items.append(
-            {
-                "type": "function_call",
-                "id": _new_id("fc"),
-                "call_id": call_id,
-                "name": name,
-                "arguments": arguments,
-                "status": "completed",
-            }
-        )
-    return items
-
-
-def _usage(chat: Mapping) -> dict[str, Any]:
-    details = chat.get("prompt_tokens_details") or {}
-    prompt, output = chat.get("prompt_tokens", 0), chat.get("completion_tokens", 0)
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
-        "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + output,
-    }
-
-
-def _input_messages(raw: Any) -> list[dict]:
-    """``input`` as chat messages: a string is one user message; items are messages,
-    ``function_call`` (joined into the assistant message before them) and
-    ``function_call_output`` (a tool message)."""
-    if isinstance(raw, str):
-        return [{"role": "user", "content": raw}]
-    if not isinstance(raw, list):
-        raise InvalidRequestError("input must be a string or a list of items")
-    messages: list[dict] = []
-    for i, item in enumerate(raw):
-        if not isinstance(item, Mapping):
-            raise InvalidRequestError(f"input[{i}] must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append({"role": item.get("role"), "content": _content(item, i)})
-        elif kind == "function_call":
-            call = {
-                "id": item.get("call_id"),
-                "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
-            }
-            last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant":
-                last = {"role": "assistant", "content": ""}
-                messages.append(last)
-            last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output)
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
-        else:
-            raise InvalidRequestError(f"input[{i}]: items of type {kind!r} are not supported")
-    return messages
-
-
-def _content(item: Mapping, i: int) -> str:
-    content = item.get("content")
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"input[{i}].content must be a string or a list of parts")
-    texts = []
-    for part in content:
-        if not isinstance(part, Mapping) or part.get("type") not in (
-            "input_text",
-            "output_text",
-            "text",
-        ):
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise InvalidRequestError(f"input[{i}]: only text parts are supported, got {kind!r}")
-        texts.append(str(part.get("text", "")))
-    return "".join(texts)
-
-
-def _tools(raw: Any) -> list[dict] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise InvalidRequestError("tools must be a list")
-    tools = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            raise InvalidRequestError(f"tools[{i}]: only function tools are supported")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        tools.append({"type": "function", "function": function})
-    return tools or None
-
-
-def _tool_choice(raw: Any) -> Any:
-    if isinstance(raw, Mapping) and raw.get("type") == "function" and "name" in raw:
-        return {"type": "function", "function": {"name": raw["name"]}}
-    return raw
-
-
-def _text_format(raw: Any) -> dict | None:
-    if raw is None:
-        return None
-    fmt = raw.get("format") if isinstance(raw, Mapping) else None
-    if fmt is None:
-        return None
-    if not isinstance(fmt, Mapping):
-        raise InvalidRequestError("text.format must be an object")
-    if fmt.get("type") == "json_schema":
-        schema = {"name": fmt.get("name", "answer"), "schema": fmt.get("schema", {})}
-        return {"type": "json_schema", "json_schema": schema}
-    return {"type": fmt.get("type")}

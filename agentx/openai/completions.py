@@ -203,7 +203,7 @@ class CompletionService:
         if call.clock is not None:
             clock, call.clock = call.clock, None
             self.chat.finish_timing("completions", clock, call.num_prompt_tokens)
-        engine = self.chat._engine
+        engine = self.chat.engine
         for choice in call.choices:
             if not choice.stream.finished:
                 engine.abort(choice.stream.request_id)

@@ -53,7 +53,7 @@ class _EngineCollector(Collector):
         self._service = service
 
     def collect(self):
-        engine = self._service._engine
+        engine = self._service.engine
         if engine is None or engine.closed:
             return
         stats = engine.stats()

@@ -73,7 +73,7 @@ class ResponsesService:
         response = response_body(body, new_id("resp"), response_status(choice.finish_reason))
         response["output"] = output_items(message.content or "", calls)
         response["usage"] = response_usage(completion.usage.model_dump())
-        self._store(response, tenant, messages, message.content, calls, body)
+        self.store(response, tenant, messages, message.content, calls, body)
         return response
 
     async def open_stream(self, body: object, tenant: str | None = None) -> AsyncIterator[dict]:
@@ -120,7 +120,8 @@ class ResponsesService:
             raise InvalidRequestError(f"previous_response_id: no stored response {response_id!r}")
         return list(stored[1])
 
-    def _store(self, response, tenant, messages, content, calls, body) -> None:
+    def store(self, response, tenant, messages, content, calls, body) -> None:
+        """Remember a finished response's messages for ``previous_response_id``."""
         if body.get("store") is False:
             return
         reply: dict[str, Any] = {"role": "assistant", "content": content or ""}
@@ -199,9 +200,7 @@ class _EventStream:
         response["completed_at"] = int(time.time())
         done_calls = [(c["call_id"], c["name"], c["arguments"]) for c in calls.values()]
         content = "".join(i["content"][0]["text"] for i in items if i["type"] == "message")
-        self._service._store(
-            response, self._tenant, self._messages, content, done_calls, self._body
-        )
+        self._service.store(response, self._tenant, self._messages, content, done_calls, self._body)
         yield self._event("response.completed", response=response)
 
     def _open_message(self, items: list[dict], item: dict) -> list[dict]:

@@ -122,6 +122,11 @@ class ChatService:
             self._engine = await anyio.to_thread.run_sync(get_default_engine)
         return self._engine
 
+    @property
+    def engine(self) -> Engine | None:
+        """The engine once loaded (None before the first ``get_engine``)."""
+        return self._engine
+
     def get_tokenizer(self, engine: Engine) -> Tokenizer:
         """The engine's tokenizer, with ``chat_template`` when one was given."""
         if self._tokenizer is None:

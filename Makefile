@@ -12,7 +12,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_TESTS := tests/test_session_backends.py tests/test_vllm_backend.py
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml
 	# Mooncake Store (the KV offload tier shared across processes) needs libibverbs1 to import
@@ -56,15 +56,21 @@ test: $(STAMP) $(VLLM_STAMP)
 	elif unshare -n true 2>/dev/null; then ns="unshare -n"; \
 	elif unshare -rn true 2>/dev/null; then ns="unshare -rn"; else ns=""; fi; \
 	if [ -n "$$ns" ]; then \
-		echo "$$ns sh -c 'ip link set lo up && $(BIN)/python -m pytest -q'"; \
-		$$ns sh -c 'ip link set lo up && $(BIN)/python -m pytest -q'; \
+		echo "$$ns sh -c 'ip link set lo up && $(BIN)/python -m pytest -q --durations=20'"; \
+		$$ns sh -c 'ip link set lo up && $(BIN)/python -m pytest -q --durations=20'; \
 	else \
 		echo "no private network namespace here: the Mooncake tests will skip"; \
-		$(BIN)/python -m pytest -q; \
+		$(BIN)/python -m pytest -q --durations=20; \
 	fi
 	# the Session tests on the vLLM backend, in its own venv (they start no Mooncake, so they
 	# need no private namespace; the [agentx] halves of tests/test_session_backends.py ran above)
 	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
+
+# the edit-test loop: no test marked slow (real models, worker processes, servers), no vLLM
+# venv; a few minutes on 2 cores. CI runs `make test`.
+test-fast: $(STAMP)
+	$(BIN)/ruff check agentx tests benchmarks examples
+	$(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples

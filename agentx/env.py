@@ -10,6 +10,10 @@ Variables:
     AGENTX_CACHE_DIR   root folder for files agentx derives and keeps between runs (built
                        tokenizers, ...); default ``~/.cache/agentx``.
     AGENTX_KERNELS     kernel backend: ``auto`` (default), ``ref``, ``cpu`` or ``triton``.
+    AGENTX_CPU_ISA     caps the vector instructions: ``auto`` (default: the best the CPU has),
+                       ``avx2`` or ``avx512``. It picks agentx's compiled kernels' variant and,
+                       unless ``ATEN_CPU_CAPABILITY`` is set, torch's own (read when torch
+                       loads), so an AVX-512 machine runs what an AVX2-only machine runs.
     AGENTX_PEERS_DIR   peer engines' venvs and converted models (``benchmarks/peers``), used by
                        ``agentx bench``; default ``~/.cache/agentx/peers``.
 
@@ -31,6 +35,7 @@ from agentx.errors import ConfigError
 __all__ = [
     "apply_cpu_defaults",
     "cache_dir",
+    "cpu_isa",
     "environ_snapshot",
     "kernel_backend",
     "peers_dir",
@@ -40,6 +45,7 @@ __all__ = [
 ]
 
 _KERNEL_BACKENDS = ("auto", "ref", "cpu", "triton")
+_CPU_ISAS = ("auto", "avx2", "avx512")
 
 
 def cache_dir() -> Path:
@@ -70,6 +76,14 @@ def kernel_backend() -> str:
     return value
 
 
+def cpu_isa() -> str:
+    """``$AGENTX_CPU_ISA`` lower-cased, ``auto`` when unset; anything else raises ConfigError."""
+    value = os.environ.get("AGENTX_CPU_ISA", "").strip().lower() or "auto"
+    if value not in _CPU_ISAS:
+        raise ConfigError(f"AGENTX_CPU_ISA={value!r}: expected one of {', '.join(_CPU_ISAS)}")
+    return value
+
+
 def apply_cpu_defaults() -> None:
     """Default ``OMP_WAIT_POLICY=PASSIVE`` unless the user chose a policy (``OMP_WAIT_POLICY``,
     or libgomp's ``GOMP_SPINCOUNT``, a bounded spin before sleeping).
@@ -80,6 +94,9 @@ def apply_cpu_defaults() -> None:
     """
     if "GOMP_SPINCOUNT" not in os.environ:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    isa = cpu_isa()
+    if isa != "auto":  # torch's dispatch reads it once, when it loads
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", isa)
 
 
 def pin_gloo_to_loopback() -> None:

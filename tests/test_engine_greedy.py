@@ -1,11 +1,19 @@
 """Greedy output stays identical under batching, prefix-cache hits, chunked prefill, the
 prefill share while decoding and preemption, on the real default model, in both weight modes:
-``quantization="none"`` (the default: fp32, which must also equal the transformers reference)
-and ``"auto"`` (the GGUF's own Q4_1 / Q8_0 weights through the int4 / int8 kernels; its
-reference is each prompt run alone)."""
+``quantization="none"`` (fp32) and ``"auto"`` (the GGUF's own Q4_1 / Q8_0 weights through the
+int4 / int8 kernels). Each mode's reference is each prompt run alone through the engine (the
+same arithmetic: exact); both modes are close to transformers' fp32 Llama on the same weights
+by the parity rule (tests/parity.py: another arithmetic, so near-ties may go either way)."""
 
 import pytest
 import torch
+from parity import (
+    FLOAT_ORDER_TOLERANCE,
+    QUANTIZED_TOLERANCE,
+    TOP,
+    check_logprobs_close,
+    transformers_greedy,
+)
 
 from agentx import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from agentx.engine.core import EngineCore
@@ -37,8 +45,9 @@ NO_DRAFTS = SpeculativeConfig(enabled=False)
 
 
 @pytest.fixture(scope="module")
-def transformers_tokens(greedy_prompts):
-    """64 greedy tokens per prompt from transformers' own Llama on the same GGUF weights."""
+def transformers_runs(greedy_prompts):
+    """64 greedy tokens and their top logprobs per prompt from transformers' own Llama on the
+    same GGUF weights."""
     from transformers import AutoModelForCausalLM
 
     from agentx.engine.models.loader import default_model_path
@@ -47,18 +56,7 @@ def transformers_tokens(greedy_prompts):
     model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in greedy_prompts:
-            ids = torch.tensor([prompt])
-            res = model(ids, use_cache=True)
-            tokens = []
-            for _ in range(NUM_TOKENS):
-                nxt = int(res.logits[0, -1].argmax())
-                tokens.append(nxt)
-                res = model(torch.tensor([[nxt]]), past_key_values=res.past_key_values)
-            out.append(tokens)
-    return out
+    return transformers_greedy(model, greedy_prompts, NUM_TOKENS)
 
 
 def run_alone(engine, prompts):
@@ -66,23 +64,25 @@ def run_alone(engine, prompts):
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(quantization, engine, greedy_prompts, transformers_tokens):
-    """fp32: transformers' tokens (checked against each prompt alone by the first test);
-    quantized: each prompt alone through the engine."""
-    return transformers_tokens if quantization == "none" else run_alone(engine, greedy_prompts)
+def reference_tokens(engine, greedy_prompts):
+    """Each prompt alone through the engine: what batching and caching must not change."""
+    return run_alone(engine, greedy_prompts)
 
 
-def test_alone_matches_reference(quantization, engine, greedy_prompts, transformers_tokens):
-    got = run_alone(engine, greedy_prompts)
-    if quantization == "none":
-        for prompt, mine, ref in zip(greedy_prompts, got, transformers_tokens, strict=True):
-            assert mine == ref, f"prompt {prompt[:8]}..."
-    else:
-        # the int8-activation math is not the fp32 math: a greedy run may take another path at
-        # a near tie (docs/BENCHMARKS.md has the agreement); 4 of the 5 first tokens agree
-        agree = [mine[0] == ref[0] for mine, ref in zip(got, transformers_tokens, strict=True)]
-        assert sum(agree) >= 4, agree
-        assert got == run_alone(engine, greedy_prompts)  # and it is deterministic
+# Prompts of the five that must match transformers token for token (measured: fp32 5 of 5,
+# quantized 3 of 5 on the AMD Zen 3 box); the rest must be near-ties at their first difference.
+MIN_EXACT = {"none": 4, "auto": 2}
+
+
+def test_alone_close_to_transformers(quantization, engine, greedy_prompts, transformers_runs):
+    sampling = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP)
+    got = [engine.generate([p], sampling)[0] for p in greedy_prompts]
+    names = (f"agentx quantization={quantization}", "transformers fp32")
+    tolerance = FLOAT_ORDER_TOLERANCE if quantization == "none" else QUANTIZED_TOLERANCE
+    check_logprobs_close(
+        got, transformers_runs, min_exact=MIN_EXACT[quantization], tolerance=tolerance, names=names
+    )
+    assert [g.token_ids for g in got] == run_alone(engine, greedy_prompts)  # deterministic
     engine.check_integrity()
 
 

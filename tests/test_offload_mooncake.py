@@ -197,7 +197,7 @@ def test_master_absent_is_unhealthy_not_hanging():
         assert not tier.healthy
         assert tier.lookup([H(0)]) == 0 and tier.prepare_store([H(0)]) == []
         assert tier.prepare_load([H(0)]) == 0
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 10  # no connect retries for minutes
     finally:
         tier.close()
 
@@ -219,7 +219,8 @@ def test_hung_master_times_out_then_recovers(master):
             assert wait_until(lambda: _state(master.pid) == "T")
             start = time.monotonic()
             assert tier.lookup([H(0)]) == 0
-            assert time.monotonic() - start < 1.5
+            # the 0.3 s timeout answered, not TCP's (minutes): a bound a loaded box keeps
+            assert time.monotonic() - start < 10
             assert not tier.healthy and tier.prepare_store([H(1)]) == []
         finally:
             os.kill(master.pid, signal.SIGCONT)

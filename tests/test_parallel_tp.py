@@ -15,12 +15,12 @@ Bit-exact tensor parallelism would need the fused layer's float order across ran
 (docs/BENCHMARKS.md, "Parallel backends").
 """
 
-
 import pytest
 import torch
 import transformers
 from model_helpers import save_hf_folder, tiny_hf_config
 from parallel_helpers import assert_no_process_left, kill_rank_mid_generation
+from parity import PARITY_PROMPTS, check_close_cached_and_preempted
 
 from agentx import (
     CacheConfig,
@@ -36,6 +36,8 @@ from agentx.engine.parallel import HeadShard, ParallelState
 NUM_BLOCKS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "My favourite food is", "import numpy as np\n"]
+NAMES = ("tp=1", "tp=2")
+MIN_EXACT = 3  # measured 5 of 10 (module docstring)
 
 
 def _config(tp: int, **kw) -> EngineConfig:
@@ -65,30 +67,10 @@ def _long_prompts(engine: Engine, texts: list[str] = PROMPTS) -> list[list[int]]
     return [shared + tok.encode(p) for p in texts]
 
 
-def test_tp2_greedy_equals_tp1(engines):
+def test_tp2_greedy_close_to_tp1_cached_and_preempted(engines):
     tp1, tp2 = engines
-    prompts = _long_prompts(tp1)
-    want = [g.token_ids for g in tp1.generate(prompts, GREEDY)]
-    got = [g.token_ids for g in tp2.generate(prompts, GREEDY)]
-    assert got == want
-    # again: the shared prefix and each prompt now hit the prefix cache
-    again = tp2.generate(prompts, GREEDY)
-    assert [g.token_ids for g in again] == want
-    assert max(g.usage.cached_tokens for g in again) >= 64  # 4 shared blocks, at least
-    tp2.check_integrity()
-
-
-def test_tp2_under_preemption(engines):
-    tp1, tp2 = engines
-    prompts = _long_prompts(tp1, [*PROMPTS, "Once upon a time"])
-    want = [g.token_ids for g in tp1.generate(prompts, GREEDY)]
-    before = tp2.stats().num_preemptions
-    got = [g.token_ids for g in tp2.generate(prompts, GREEDY)]
-    assert got == want
-    assert tp2.stats().num_preemptions > before
-    stats = tp2.stats()
-    assert stats.kv_num_used_blocks == 0
-    tp2.check_integrity()
+    prompts = _long_prompts(tp1, list(PARITY_PROMPTS))
+    check_close_cached_and_preempted(tp1, tp2, prompts, min_exact=MIN_EXACT, names=NAMES)
 
 
 def test_tp2_pool_holds_more_tokens_per_rank(engines):

@@ -27,6 +27,7 @@ from parallel_helpers import (
     check_greedy_cached_and_preempted,
     kill_rank_mid_generation,
 )
+from parity import PARITY_PROMPTS, check_close_cached_and_preempted
 from test_parallel_tp import _config, _long_prompts
 
 from agentx import (
@@ -122,21 +123,18 @@ def test_smollm2_tokens_per_rank_from_the_layout():
     assert {(p.num_blocks, p.groups[0].spec.block_size) for p in planned} == {(60, 16)}
 
 
-SMOLLM2_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SMOLLM2_PROMPTS = [
-    "The capital of France is",
-    "The quick brown fox",
-    "Paris is the capital of",
-    "My favourite food is",
-]
+SMOLLM2_MIN_EXACT = 3
 
 
-def test_smollm2_tp2_dcp2_greedy_equals_world_size_1():
+def test_smollm2_tp2_dcp2_greedy_close_to_world_size_1():
     one = Engine(_config(1))
     grid = Engine(replace(_config(1), parallel=ParallelConfig(tp=2, dcp=2)))
     try:
-        prompts = _long_prompts(one, SMOLLM2_PROMPTS)
-        check_greedy_cached_and_preempted(one, grid, lambda n: prompts[:n], SMOLLM2_GREEDY)
+        prompts = _long_prompts(one, list(PARITY_PROMPTS))
+        names = ("world size 1", "tp=2 x dcp=2")
+        check_close_cached_and_preempted(
+            one, grid, prompts, min_exact=SMOLLM2_MIN_EXACT, names=names
+        )
     finally:
         one.close()
         grid.close()

@@ -2,6 +2,7 @@
 step: shared prefixes, preemption, aborts, chunking. Seeded, so every run is the same."""
 
 import random
+import zlib
 
 import pytest
 from kv_helpers import make_manager, make_request
@@ -13,8 +14,9 @@ from agentx.engine.scheduler import Scheduler
 
 
 def token_for(request_id: str, index: int) -> int:
-    """A deterministic 'model': the next token depends only on the request and position."""
-    return (hash(request_id) + 7 * index) % 50 + 1000
+    """A deterministic 'model': the next token depends only on the request and position (crc32,
+    not ``hash()``: str hashes change with PYTHONHASHSEED)."""
+    return (zlib.crc32(request_id.encode()) + 7 * index) % 50 + 1000
 
 
 def step(s: Scheduler, cfg: SchedulerConfig, outputs: dict[str, list[int]]) -> None:

@@ -7,6 +7,7 @@ import gc
 import anyio
 import pytest
 import torch
+from parity import PARITY_PROMPTS, TOP, check_logprobs_close, parity_sampling
 
 from agentx import EngineConfig, RequestOptions, SamplingParams, Session
 from agentx.engine.vllm import VLLMConfig
@@ -14,6 +15,7 @@ from agentx.engine.vllm import VLLMConfig
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 CHAT = [{"role": "user", "content": "Name three fruits."}]
+VLLM_MIN_EXACT = 6
 
 
 async def drain(stream):
@@ -94,15 +96,27 @@ def test_process_state_vllm_changed_is_put_back(vllm_engine):
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" in changes  # kept: vLLM reads it while it runs
 
 
-def test_agentx_engine_beside_vllm_gives_the_same_greedy_tokens(vllm_engine, make_engine):
+def test_agentx_engine_beside_vllm_is_close_by_logprobs(vllm_engine, make_engine):
+    """Two engines, two arithmetics (agentx's fp32 kernels, vLLM's CPU ones): judged by the
+    parity rule on the fixed prompt set, with vLLM's own logprobs passed through."""
     before = torch.get_num_threads()
     # fp32 weights, as the folder vLLM loads: both compute with the same numbers
     engine = make_engine(quantization="none", num_threads=1)
     assert torch.get_num_threads() == 1  # set_num_threads works again
     torch.set_num_threads(before)
-    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(CHAT))
-    sampling = SamplingParams(max_tokens=16)
-    ours = engine.generate([prompt], sampling)[0]
-    theirs = vllm_engine.add_request(prompt, sampling).result(timeout=120)
-    assert ours.token_ids == theirs.token_ids and ours.text == theirs.text
+    prompts = [engine.tokenizer.encode(p) for p in PARITY_PROMPTS]
+    ours = engine.generate(prompts, parity_sampling())
+    theirs = [vllm_engine.add_request(p, parity_sampling()).result(timeout=300) for p in prompts]
+    check_logprobs_close(ours, theirs, min_exact=VLLM_MIN_EXACT, names=("agentx", "vLLM"))
+    for gen in theirs:  # vLLM's records: one per token, the top-5 most likely first
+        assert [r.token_id for r in gen.logprobs] == gen.token_ids
+        assert all(len(r.top) == TOP and r.top[0][1] >= r.top[-1][1] for r in gen.logprobs)
+    scored = vllm_engine.add_request(
+        prompts[5], SamplingParams(max_tokens=1, prompt_logprobs=2)
+    ).result(timeout=120)
+    mine = engine.generate([prompts[5]], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompts[5])
+    assert [r.token_id for r in scored.prompt_logprobs[1:]] == prompts[5][1:]
+    for a, b in zip(mine.prompt_logprobs[1:], scored.prompt_logprobs[1:], strict=True):
+        assert abs(a.logprob - b.logprob) < 0.05  # fp32 both: the same numbers, another order
     assert isinstance(engine.config, EngineConfig) and isinstance(vllm_engine.config, VLLMConfig)

@@ -103,7 +103,7 @@ class Engine(EngineBackend):
         self._check_alive()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self.core.make_request(rid, prompt, sampling or SamplingParams(), options=options)
-        stream = RequestStream(rid, request.prompt_token_ids)
+        stream = RequestStream.for_sampling(rid, request.prompt_token_ids, request.sampling)
         with self._cond:
             self._check_alive()
             if rid in self._streams:

@@ -370,6 +370,7 @@ class EngineCore:
             delta = replace(
                 delta,
                 new_token_ids=ids,
+                logprobs=delta.logprobs[: i + 1],
                 num_output_tokens=delta.num_output_tokens - num_cut,
                 finish_reason=None,
                 stop_reason=None,

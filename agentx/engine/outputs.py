@@ -9,8 +9,22 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
 from agentx.engine.sampling import SamplingParams
 from agentx.errors import warn_renamed
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's logprobs: the token at it, its raw logprob (log-softmax of the model's
+    logits, before temperature and masks), its rank in the vocabulary (1: the most likely) and
+    the top-k ``(token id, logprob)`` pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +57,9 @@ class ScheduledRequest:
     num_output_tokens: int  # tokens sampled so far: the index of the next one
     num_draft_tokens: int = 0
     num_kept_blocks: int | None = None
+    # with prompt logprobs: the prompt tokens that this chunk's rows predict (row i predicts
+    # the token after token_ids[i]); empty otherwise
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def draft_token_ids(self) -> list[int]:
@@ -76,6 +93,29 @@ class ModelRunnerOutput:
     # requests that drafted: the tokens sampled after their accepted drafts, in order
     # (sampled_token_ids holds the first); absent when no draft was accepted
     extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # requests with logprobs: one record per sampled row (the first, then one per draft)
+    logprobs: dict[str, list[RowLogprobs]] = field(default_factory=dict)
+    # requests with prompt logprobs: the prompt tokens this step's rows predicted, in order
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RowLogprobs:
+    """The logprobs of one sampled logits row, for whichever token the request appends: the
+    sampled one, or (a grammar's budget may put another in its place) any other, from
+    ``full``, the row's whole log-softmax, kept only for requests with a grammar."""
+
+    sampled: TokenLogprob
+    full: torch.Tensor | None = None  # (V,) float32
+
+    def get(self, token_id: int) -> TokenLogprob:
+        if token_id == self.sampled.token_id:
+            return self.sampled
+        if self.full is None:
+            raise ValueError(f"token {token_id} was not sampled from this row")
+        value = self.full[token_id]
+        rank = int((self.full > value).sum()) + 1
+        return TokenLogprob(token_id, float(value), rank, self.sampled.top)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +134,10 @@ class RequestOutput:
     new_text: str = ""
     num_draft_tokens: int = 0  # tokens drafted for this request so far (engine/draft.py)
     num_accepted_tokens: int = 0  # of those, accepted by verification
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, with SamplingParams.logprobs
+    # with SamplingParams.prompt_logprobs, on the first delta: one per prompt token (the first
+    # has none: None)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
     @property
     def finished(self) -> bool:

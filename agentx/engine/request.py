@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from agentx.engine.draft import Drafter, DraftSource
 from agentx.engine.hints import HINT_TYPES, Hint
 from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes
+from agentx.engine.outputs import TokenLogprob
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.structured import GrammarMatcher
 from agentx.errors import InvalidRequestError
@@ -105,10 +106,29 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[BlockHash] = field(init=False, default_factory=list)
+    # with sampling.prompt_logprobs: one record per prompt token computed so far (the first
+    # token has none), handed out once, on the first delta
+    prompt_logprobs: list[TokenLogprob | None] = field(init=False, default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self._update_block_hashes()
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs.append(None)
+
+    def add_prompt_logprobs(self, start_position: int, records: list[TokenLogprob]) -> None:
+        """Records of the prompt tokens after ``start_position``, in order; those already
+        recorded (a recompute after preemption) are skipped."""
+        skip = len(self.prompt_logprobs) - (start_position + 1)
+        self.prompt_logprobs.extend(records[max(skip, 0) :])
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...]:
+        """The prompt's records, the first time they are whole; () after and before."""
+        if self.prompt_logprobs_sent or len(self.prompt_logprobs) < self.num_prompt_tokens:
+            return ()
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,13 @@
 
 Frozen and validated on construction; a bad value raises :class:`SamplingParamsError` before
 anything is scheduled. ``temperature == 0`` means greedy.
+
+``logprobs=k`` returns, for every generated token, its logprob, its rank and the top-k (token id,
+logprob) pairs; ``prompt_logprobs=k`` the same for every prompt token after the first. Both are
+the model's raw log-softmax over the whole vocabulary: before temperature, top-k / top-p and any
+grammar mask (what eval harnesses score against; vLLM's default). ``0`` gives the chosen token's
+logprob alone. A request with ``prompt_logprobs`` computes its whole prompt (no prefix-cache or
+held-KV hit), since a cached token has no logits.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from agentx.errors import SamplingParamsError
 # logits / temperature must stay finite in float32 (|logits| ~ 1e2): 0 means greedy
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20  # top-k pairs a request may ask for (OpenAI's top_logprobs limit)
 
 
 def _is_int(value: object) -> bool:
@@ -36,6 +44,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # constrain the output to a grammar
+    logprobs: int | None = None  # top-k logprobs of each generated token (None: off)
+    prompt_logprobs: int | None = None  # top-k logprobs of each prompt token (None: off)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +81,12 @@ class SamplingParams:
             self.include_stop_str_in_output, bool
         ):
             raise SamplingParamsError("ignore_eos and include_stop_str_in_output must be bools")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise SamplingParamsError(
+                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError(f"stop_token_ids must be ints >= 0: {self.stop_token_ids!r}")
 

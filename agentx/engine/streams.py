@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import anyio
 
-from agentx.engine.outputs import RequestOutput
+from agentx.engine.outputs import RequestOutput, TokenLogprob
+from agentx.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,10 @@ class Generation:
     finish_reason: str
     stop_reason: int | str | None
     usage: RequestUsage
+    # with SamplingParams.logprobs: one record per token of token_ids; else None
+    logprobs: list[TokenLogprob] | None = None
+    # with SamplingParams.prompt_logprobs: one per prompt token (None for the first); else None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def _threadsafe_setter(event: anyio.Event) -> Callable[[], None]:
@@ -60,8 +65,16 @@ def _threadsafe_setter(event: anyio.Event) -> Callable[[], None]:
 class RequestStream:
     """Deltas of one request, in order, ending with a finished delta or an error."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        wants_logprobs: bool = False,
+        wants_prompt_logprobs: bool = False,
+    ) -> None:
         self.request_id = request_id
+        self.wants_logprobs = wants_logprobs
+        self.wants_prompt_logprobs = wants_prompt_logprobs
         self.prompt_token_ids = prompt_token_ids
         self._items: deque[RequestOutput] = deque()
         self._error: BaseException | None = None
@@ -69,8 +82,22 @@ class RequestStream:
         self._cond = threading.Condition()
         self._notify: Callable[[], None] | None = None
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] = []
         self.text = ""
         self.final: RequestOutput | None = None
+
+    @classmethod
+    def for_sampling(
+        cls, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> RequestStream:
+        """A stream whose generation carries the logprobs ``sampling`` asks for."""
+        return cls(
+            request_id,
+            prompt_token_ids,
+            wants_logprobs=sampling.logprobs is not None,
+            wants_prompt_logprobs=sampling.prompt_logprobs is not None,
+        )
 
     # ---- producer side (engine thread) -------------------------------------------------------
 
@@ -105,6 +132,8 @@ class RequestStream:
         if self._items:
             out = self._items.popleft()
             self.token_ids.extend(out.new_token_ids)
+            self.logprobs.extend(out.logprobs)
+            self.prompt_logprobs.extend(out.prompt_logprobs)
             self.text += out.new_text
             if out.finished:
                 self._done, self.final = True, out
@@ -167,4 +196,6 @@ class RequestStream:
                 final.num_draft_tokens,
                 final.num_accepted_tokens,
             ),
+            logprobs=list(self.logprobs) if self.wants_logprobs else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.wants_prompt_logprobs else None,
         )

@@ -6,12 +6,12 @@ messages become chat-template dicts (and the keys a re-sent history is matched o
 :class:`InvalidRequestError` naming the field, raised before anything reaches the engine. It
 does not know the engine, the HTTP layer or the ``openai`` package.
 
-A field whose meaning agentx cannot honour (``logprobs``, penalties, ``logit_bias``, audio) is
-refused rather than silently dropped; ``parallel_tool_calls=false`` allows at most one call per
-reply (the grammar's), ``prompt_cache_key`` (else ``user``) names the request's tenant, whose
-cached prefixes no other tenant shares; fields that only label a request (``metadata``,
-``store``, ``service_tier``) are accepted and have no effect. Unknown fields are ignored, as
-frameworks send provider-specific extras.
+A field whose meaning agentx cannot honour (penalties, ``logit_bias``, audio) is refused rather
+than silently dropped; ``parallel_tool_calls=false`` allows at most one call per reply (the
+grammar's), ``prompt_cache_key`` (else ``user``) names the request's tenant, whose cached
+prefixes no other tenant shares; fields that only label a request (``metadata``, ``store``,
+``service_tier``) are accepted and have no effect. Unknown fields are ignored, as frameworks
+send provider-specific extras.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agentx.engine.sampling import SamplingParams
+from agentx.engine.sampling import MAX_LOGPROBS, SamplingParams
 from agentx.errors import InvalidRequestError
 from agentx.session.messages import ToolCall
 from agentx.session.tool_calls import CLOSE, OPEN, render_tool_calls
@@ -47,8 +47,6 @@ _OPENAI_DEFAULT_TEMPERATURE = 1.0
 _MAX_STOP_STRINGS = 4
 _MAX_CHOICES = 16
 _REFUSED = {
-    "logprobs": "logprobs are not supported",
-    "top_logprobs": "logprobs are not supported",
     "logit_bias": "logit_bias is not supported",
     "presence_penalty": "presence_penalty is not supported",
     "frequency_penalty": "frequency_penalty is not supported",
@@ -275,6 +273,7 @@ def _sampling(body: Mapping) -> SamplingParams:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise InvalidRequestError(f"seed must be an integer, got {seed!r}")
     return SamplingParams(
+        logprobs=_logprobs(body),
         temperature=_number(body, "temperature", _OPENAI_DEFAULT_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0),
         top_k=_int(body, "top_k", 0),  # not OpenAI's; accepted as vLLM does
@@ -282,6 +281,19 @@ def _sampling(body: Mapping) -> SamplingParams:
         max_tokens=1,  # the service sets the real budget once the prompt is known
         stop=tuple(stop or ()),
     )
+
+
+def _logprobs(body: Mapping) -> int | None:
+    """``logprobs: true`` (with ``top_logprobs``, 0 to 20) as the engine's top-k; None: off."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidRequestError(f"logprobs must be a boolean, got {wanted!r}")
+    top = _int(body, "top_logprobs", 0)
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {top}")
+    if top and not wanted:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true")
+    return top if wanted else None
 
 
 def _max_tokens(body: Mapping) -> int | None:

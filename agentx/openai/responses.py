@@ -21,26 +21,35 @@ A stream for one choice reads, in order::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
-from openai.types.chat.chat_completion import Choice
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionTokenLogprob,
+)
+from openai.types.chat.chat_completion import Choice, ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import (
     ChoiceDelta,
     ChoiceDeltaToolCall,
     ChoiceDeltaToolCallFunction,
 )
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
 from openai.types.chat.chat_completion_message_function_tool_call import (
     ChatCompletionMessageFunctionToolCall,
     Function,
 )
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_usage import (
     CompletionTokensDetails,
     CompletionUsage,
     PromptTokensDetails,
 )
 
+from agentx.engine.outputs import TokenLogprob
 from agentx.engine.streams import Generation
 from agentx.openai.tool_deltas import CallDelta
 from agentx.session.messages import ToolCall
@@ -121,8 +130,40 @@ class ChoiceResult:
         return reason if reason in ("stop", "length") else "stop"
 
 
+TokenText = Callable[[int], str]  # a token id's text (the tokenizer's, alone)
+
+
+def make_logprobs(
+    records: Sequence[TokenLogprob] | None, token_text: TokenText
+) -> ChoiceLogprobs | None:
+    """OpenAI's ``logprobs`` of a choice (or a chunk) for the engine's records; None: off."""
+    if records is None:
+        return None
+
+    def entry(token_id: int) -> tuple[str, list[int]]:
+        text = token_text(token_id)
+        return text, list(text.encode("utf-8", "surrogatepass"))
+
+    content = []
+    for record in records:
+        token, data = entry(record.token_id)
+        top = [
+            TopLogprob(token=t, bytes=b, logprob=lp)
+            for t, b, lp in ((*entry(tid), lp) for tid, lp in record.top)
+        ]
+        content.append(
+            ChatCompletionTokenLogprob(
+                token=token, bytes=data, logprob=record.logprob, top_logprobs=top
+            )
+        )
+    return ChoiceLogprobs(content=content, refusal=None)
+
+
 def make_completion(
-    header: CompletionHeader, choices: list[ChoiceResult], usage: CompletionUsage
+    header: CompletionHeader,
+    choices: list[ChoiceResult],
+    usage: CompletionUsage,
+    token_text: TokenText | None = None,
 ) -> ChatCompletion:
     return ChatCompletion(
         id=header.id,
@@ -133,7 +174,11 @@ def make_completion(
             Choice(
                 index=c.index,
                 finish_reason=c.finish_reason,
-                logprobs=None,
+                logprobs=(
+                    make_logprobs(c.generation.logprobs, token_text)
+                    if c.generation is not None and token_text is not None
+                    else None
+                ),
                 message=ChatCompletionMessage(
                     role="assistant",
                     content=c.content if c.content or not c.calls else None,
@@ -154,6 +199,7 @@ def make_chunk(
     content: str | None = None,
     calls: list[tuple[int, ToolCall]] = (),
     finish_reason: str | None = None,
+    logprobs: ChoiceLogprobs | None = None,
 ) -> ChatCompletionChunk:
     """A chunk for choice ``index``; ``calls`` are (index among the choice's calls, call)."""
     delta = ChoiceDelta(
@@ -161,7 +207,12 @@ def make_chunk(
         content=content,
         tool_calls=[_delta_call(k, call) for k, call in calls] or None,
     )
-    choice = ChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=None)
+    choice = ChunkChoice(
+        index=index,
+        delta=delta,
+        finish_reason=finish_reason,
+        logprobs=chunk_logprobs(logprobs),
+    )
     return _chunk(header, [choice])
 
 
@@ -178,6 +229,13 @@ def make_call_delta_chunk(
     delta_ = ChoiceDelta(tool_calls=[call])
     choice = ChunkChoice(index=index, delta=delta_, finish_reason=None, logprobs=None)
     return _chunk(header, [choice])
+
+
+def chunk_logprobs(logprobs: ChoiceLogprobs | None) -> ChunkLogprobs | None:
+    """A choice's logprobs in a chunk's type."""
+    if logprobs is None:
+        return None
+    return ChunkLogprobs(content=logprobs.content, refusal=None)
 
 
 def make_usage_chunk(header: CompletionHeader, usage: CompletionUsage) -> ChatCompletionChunk:

@@ -44,9 +44,11 @@ from agentx.openai.responses import (
     ChoiceResult,
     ChoiceText,
     CompletionHeader,
+    chunk_logprobs,
     make_call_delta_chunk,
     make_chunk,
     make_completion,
+    make_logprobs,
     make_usage,
     make_usage_chunk,
 )
@@ -201,7 +203,9 @@ class ChatService:
                 results.append(self._finish_choice(call, index, text))
         finally:
             self._end(call)
-        return make_completion(call.header, results, self._usage(call, results))
+        return make_completion(
+            call.header, results, self._usage(call, results), self._engine.tokenizer.token_to_text
+        )
 
     async def open_stream(self, body: object, tenant: str | None = None) -> ChunkStream:
         """Validate and submit the request (raising before any chunk is produced), then
@@ -221,7 +225,14 @@ class ChatService:
                 async for out in stream:
                     call.clock.tick(len(out.new_token_ids))
                     shown, calls = text.push(out.new_text)
-                    for chunk in _deltas(header, index, text, scan, out.new_text, shown, calls):
+                    chunks = _deltas(header, index, text, scan, out.new_text, shown, calls)
+                    if call.request.sampling.logprobs is not None and out.logprobs:
+                        logprobs = make_logprobs(out.logprobs, self._engine.tokenizer.token_to_text)
+                        if chunks:  # the tokens' logprobs ride on the first chunk they made
+                            chunks[0].choices[0].logprobs = chunk_logprobs(logprobs)
+                        else:
+                            chunks = [make_chunk(header, index, logprobs=logprobs)]
+                    for chunk in chunks:
                         yield chunk
                 for chunk in _deltas(header, index, text, scan, "", *text.finish()):
                     yield chunk

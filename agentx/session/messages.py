@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from agentx.engine.outputs import TokenLogprob
 from agentx.errors import InvalidRequestError
 
 __all__ = [
@@ -145,6 +146,8 @@ class AssistantMessage(BaseModel):
     usage: Usage | None = None
     parsed: Any = None
     parse_error: str | None = None
+    # with SamplingParams(logprobs=k): one record per generated token (not sent back in history)
+    logprobs: list[TokenLogprob] | None = Field(default=None, exclude=True, repr=False)
 
     @field_validator("content", mode="before")
     @classmethod

@@ -143,6 +143,7 @@ class Turn:
             usage=usage,
             parsed=parsed,
             parse_error=parse_error,
+            logprobs=gen.logprobs,
         )
         self._session._commit_turn(
             gen, message, self._new_messages, self._prefill_ids, self._prefill

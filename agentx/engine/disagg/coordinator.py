@@ -142,6 +142,8 @@ class DisaggCoordinator:
         options = options or RequestOptions()
         if sampling.structured is not None:
             raise InvalidRequestError("a grammar's state is not handed over P -> D")
+        if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
+            raise InvalidRequestError("logprobs are not handed over P -> D: use one Engine")
         if options.hold_kv or options.held_kv is not None:
             raise InvalidRequestError("the coordinator holds KV per session_id, not per handle")
         self._check_open()

@@ -92,8 +92,11 @@ class KVCacheManager:
         """The longest cached prefix of the request, and its length in tokens; no side effects
         (``allocate_slots`` counts the query when the request takes the hit).
 
-        The last token is always recomputed: its logits are needed to sample.
+        The last token is always recomputed: its logits are needed to sample. A request that
+        wants prompt logprobs takes no hit: a cached token has no logits.
         """
+        if request.sampling.prompt_logprobs is not None:
+            return self.empty_blocks(), 0
         max_length = request.num_tokens - 1
         hit, num_hit = self.empty_blocks(), 0
         if self.enable_caching:

@@ -32,6 +32,8 @@ class BatchInputs:
     # (N,) the last token of each request that samples, and each of its drafts
     logits_indices: torch.Tensor
     sample_rows: list[int]  # index into the step's scheduled list, per logits row
+    # after the sampled rows, prompt rows (prompt logprobs): (scheduled index, row count) each
+    prompt_rows: tuple[tuple[int, int], ...] = ()
 
 
 class InputBatch:
@@ -89,6 +91,7 @@ class InputBatch:
             self.remove(rid)
         rows, tokens, positions, query_start_loc, seq_lens = [], [], [], [0], []
         logits_indices, sample_rows = [], []
+        prompt_indices, prompt_rows = [], []
         for i, item in enumerate(out.scheduled):
             rows.append(
                 self._update_blocks(
@@ -105,6 +108,10 @@ class InputBatch:
                 end = query_start_loc[-1]
                 logits_indices.extend(range(end - 1 - item.num_draft_tokens, end))
                 sample_rows.extend([i] * (item.num_draft_tokens + 1))
+            if item.prompt_targets:  # row j predicts the token after token_ids[j]
+                start = query_start_loc[-2]
+                prompt_indices.extend(range(start, start + len(item.prompt_targets)))
+                prompt_rows.append((i, len(item.prompt_targets)))
         row_t = torch.tensor(rows, dtype=torch.long)
         pos_t = torch.tensor(positions, dtype=torch.long)
         query_lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(rows))]
@@ -142,8 +149,9 @@ class InputBatch:
             positions=pos_t,
             attn=tuple(attn),
             linear=tuple(linear),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long),
             sample_rows=sample_rows,
+            prompt_rows=tuple(prompt_rows),
         )
 
     def _linear_metadata(

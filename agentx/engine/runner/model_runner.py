@@ -31,6 +31,7 @@ from agentx.engine.parallel import SINGLE, ParallelState, PrefillSplit
 from agentx.engine.runner.cuda_graph import DecodeGraphs
 from agentx.engine.runner.input_batch import BatchInputs, InputBatch
 from agentx.engine.runner.kv_layout import allocate_kv_caches, get_layer_specs, plan_kv_layout
+from agentx.engine.runner.logprobs import log_softmax, prompt_logprobs, sampled_logprobs
 from agentx.engine.runner.sampler import sample
 from agentx.engine.runner.warmup import warm_up
 from agentx.engine.structured import apply_bitmask
@@ -152,7 +153,7 @@ class ModelRunner:
         self.num_rows_run += len(input_ids)
         with forward_context(ctx):
             hidden = self.model(input_ids.to(self.device), positions.to(self.device))
-        if not batch.sample_rows:
+        if not len(batch.logits_indices):
             return None
         if split is not None:  # the same on every rank: the collective lines up
             hidden = split.gather(hidden)  # (T, hidden): every rank samples every row
@@ -240,7 +241,13 @@ class ModelRunner:
         logits = self._run_model(out, batch)
         if logits is None:
             return ModelRunnerOutput({})
+        num_sampled = len(batch.sample_rows)
+        prompt_lps = prompt_logprobs(out.scheduled, logits[num_sampled:], list(batch.prompt_rows))
+        logits = logits[:num_sampled]
         items = [out.scheduled[i] for i in batch.sample_rows]
+        # raw logprobs: taken before the grammar masks the rows in place
+        lp_rows = [row for row, it in enumerate(items) if it.sampling.logprobs is not None]
+        raw_lps = log_softmax(logits[lp_rows]) if lp_rows else None
         # a request's j-th logits row samples its output token num_output_tokens + j
         offsets = [0] * len(items)
         for row in range(1, len(items)):
@@ -263,12 +270,14 @@ class ModelRunner:
             [it.seed for it in items],
             [it.num_output_tokens + j for it, j in zip(items, offsets, strict=True)],
         )
-        return _verify(items, offsets, token_ids)
+        sampled, extra = _verify(items, offsets, token_ids)
+        lps = sampled_logprobs(items, raw_lps, lp_rows, token_ids)
+        return ModelRunnerOutput(sampled, extra, lps, prompt_lps)
 
 
 def _verify(
     items: list[ScheduledRequest], offsets: list[int], token_ids: list[int]
-) -> ModelRunnerOutput:
+) -> tuple[dict[str, int], dict[str, list[int]]]:
     """Keep, per request, the first sampled token and each one after a draft that matched
     what was sampled before it (the longest accepted prefix; see ScheduledRequest)."""
     sampled: dict[str, int] = {}
@@ -282,7 +291,7 @@ def _verify(
         previous = kept[-1] if kept else sampled[rid]
         if len(kept) == j - 1 and item.draft_token_ids[j - 1] == previous:
             extra.setdefault(rid, []).append(token_id)
-    return ModelRunnerOutput(sampled, extra)
+    return sampled, extra
 
 
 def _staged(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -35,6 +35,7 @@ from agentx.engine.outputs import (
     RequestOutput,
     ScheduledRequest,
     SchedulerOutput,
+    TokenLogprob,
 )
 from agentx.engine.request import FINISH_REASONS, Request, RequestStatus
 from agentx.engine.scheduler.lanes import FirstTurnLanes
@@ -426,6 +427,7 @@ class Scheduler:
                     num_output_tokens=request.num_output_tokens,
                     num_draft_tokens=len(drafts),
                     num_kept_blocks=None if is_new else num_kept_blocks,
+                    prompt_targets=_prompt_targets(request, start, num_new),
                 )
             )
             self._known_to_runner.add(rid)
@@ -445,14 +447,21 @@ class Scheduler:
         for item in output.scheduled:
             token_id = runner_output.sampled_token_ids.get(item.request_id)
             request = self.requests.get(item.request_id)
+            if request is not None and item.request_id in runner_output.prompt_logprobs:
+                request.add_prompt_logprobs(
+                    item.start_position, runner_output.prompt_logprobs[item.request_id]
+                )
             if token_id is None or request is None or request.status != RequestStatus.RUNNING:
                 continue  # a chunk that did not reach the end, or a request aborted meanwhile
             token_ids = [token_id, *runner_output.extra_token_ids.get(item.request_id, ())]
-            appended = []
+            rows = runner_output.logprobs.get(item.request_id)
+            appended, logprobs = [], []
             for token_id in token_ids:
                 if appended and request.grammar is not None and request.grammar.is_forced:
                     break  # its mask was the grammar's, not the budget's: sample it again
                 appended.append(request.append_output_token(token_id))  # a grammar may swap it
+                if rows is not None:
+                    logprobs.append(rows[len(appended) - 1].get(appended[-1]))
                 self.num_generated_tokens += 1
                 if request.check_stop(self.max_model_len) or appended[-1] != token_id:
                     break  # after a swapped token, the drafts' KV is not this output's
@@ -465,7 +474,7 @@ class Scheduler:
                 self._kept_blocks[request.request_id] = -(
                     -request.num_computed_tokens // self.kv.block_size
                 )
-            deltas.append(make_output(request, appended))
+            deltas.append(make_output(request, appended, tuple(logprobs)))
         return deltas
 
     def _take_back_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> None:
@@ -525,7 +534,18 @@ class Scheduler:
             assert 0 <= r.num_computed_tokens <= r.num_tokens
 
 
-def make_output(request: Request, new_token_ids: list[int]) -> RequestOutput:
+def _prompt_targets(request: Request, start: int, num_new: int) -> tuple[int, ...]:
+    """With prompt logprobs: the prompt tokens that the rows of positions ``[start, start +
+    num_new)`` predict (the last prompt position predicts the first output: it samples)."""
+    if request.sampling.prompt_logprobs is None:
+        return ()
+    end = min(start + num_new, request.num_prompt_tokens - 1)  # the last target position
+    return tuple(request.all_token_ids[start + 1 : end + 1])
+
+
+def make_output(
+    request: Request, new_token_ids: list[int], logprobs: tuple[TokenLogprob, ...] = ()
+) -> RequestOutput:
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids,
@@ -536,4 +556,6 @@ def make_output(request: Request, new_token_ids: list[int]) -> RequestOutput:
         num_output_tokens=request.num_output_tokens,
         num_draft_tokens=request.num_draft_tokens,
         num_accepted_tokens=request.num_accepted_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=request.take_prompt_logprobs() if new_token_ids else (),
     )

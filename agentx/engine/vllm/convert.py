@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentx.engine.outputs import TokenLogprob
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.structured import StructuredOutput, compact_json
 
-__all__ = ["finish_of", "to_vllm_sampling", "to_vllm_structured"]
+__all__ = ["finish_of", "logprobs_of", "to_vllm_sampling", "to_vllm_structured"]
 
 
 def to_vllm_structured(spec: StructuredOutput) -> Any:
@@ -53,6 +54,8 @@ def to_vllm_sampling(sampling: SamplingParams) -> Any:
         detokenize=False,
         skip_special_tokens=False,
         output_kind=RequestOutputKind.DELTA,
+        logprobs=sampling.logprobs,  # vLLM's default mode: raw logprobs, as agentx's
+        prompt_logprobs=sampling.prompt_logprobs,
         structured_outputs=(
             to_vllm_structured(sampling.structured) if sampling.structured is not None else None
         ),
@@ -67,3 +70,23 @@ def finish_of(
     if finish_reason == "stop" and stop_reason is None and token_ids:
         return "stop", token_ids[-1]
     return finish_reason, stop_reason
+
+
+def logprobs_of(
+    entries: Any, token_ids: list[int], k: int | None
+) -> tuple[TokenLogprob | None, ...]:
+    """agentx's records for vLLM's per-position logprob dicts (token id -> ``Logprob`` with
+    ``logprob`` and ``rank``; the chosen token's entry is always there), one per token of
+    ``token_ids``; a position without an entry (a prompt's first) is None."""
+    if entries is None or k is None:
+        return ()
+    records: list[TokenLogprob | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            records.append(None)
+            continue
+        chosen = entry[token_id]
+        ranked = sorted(entry.items(), key=lambda pair: pair[1].rank)[:k]
+        top = tuple((int(tid), float(lp.logprob)) for tid, lp in ranked)
+        records.append(TokenLogprob(token_id, float(chosen.logprob), int(chosen.rank), top))
+    return tuple(records)

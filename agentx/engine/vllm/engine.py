@@ -132,7 +132,7 @@ class VLLMEngine(EngineBackend):
             sampling.include_stop_str_in_output,
         )
         affinity = self._held.lineage_of(options.held_kv, rid)
-        stream = RequestStream(rid, token_ids)
+        stream = RequestStream.for_sampling(rid, token_ids, sampling)
         live = LiveRequest(stream, token_ids, sampling, options, text, affinity)
         with self._cond:
             self._check_alive()

@@ -13,7 +13,7 @@ from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import RequestStream
 from agentx.engine.text_state import TextState
-from agentx.engine.vllm.convert import finish_of
+from agentx.engine.vllm.convert import finish_of, logprobs_of
 
 __all__ = ["LiveRequest"]
 
@@ -28,6 +28,7 @@ class LiveRequest:
     affinity: str  # the session lineage (sticky data-parallel rank)
     num_cached: int = 0
     num_output: int = 0
+    prompt_logprobs_sent: bool = False
 
     def take(self, out) -> tuple[RequestOutput, bool]:
         """agentx's delta for vLLM's ``out`` (a DELTA-kind ``vllm.RequestOutput``), and whether
@@ -51,6 +52,12 @@ class LiveRequest:
             finish, stop = "stop", self.text.matched
         if finish is not None:
             new_text += self.text.flush()
+        prompt_lps = ()
+        if not self.prompt_logprobs_sent and getattr(out, "prompt_logprobs", None):
+            prompt_lps = logprobs_of(
+                out.prompt_logprobs, self.prompt, self.sampling.prompt_logprobs
+            )
+            self.prompt_logprobs_sent = True
         delta = RequestOutput(
             request_id=out.request_id,
             new_token_ids=new_ids,
@@ -60,5 +67,11 @@ class LiveRequest:
             num_cached_tokens=self.num_cached,
             num_output_tokens=self.num_output,
             new_text=new_text,
+            logprobs=logprobs_of(
+                completion.logprobs if completion is not None else None,
+                new_ids,
+                self.sampling.logprobs,
+            ),
+            prompt_logprobs=prompt_lps,
         )
         return delta, stop_string

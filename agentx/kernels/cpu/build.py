@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from agentx import env
+from agentx.errors import ConfigError
 
 __all__ = ["available", "load"]
 
@@ -66,7 +67,7 @@ def load(verbose: bool = False) -> bool:
         return _state["ok"]
     with _lock:
         if "ok" not in _state:
-            _state["ok"] = _cpu_supported() and _build_and_load(verbose)
+            _state["ok"] = _cpu_supported() and _build_and_load(verbose) and _cap_isa()
         return _state["ok"]
 
 
@@ -107,6 +108,17 @@ def _build_and_load(verbose: bool) -> bool:
     except Exception as exc:  # a missing compiler, a failed build: fall back, loudly
         _log.warning("agentx: CPU kernels unavailable (%s); using reference kernels", exc)
         return False
+
+
+def _cap_isa() -> bool:
+    """Apply ``AGENTX_CPU_ISA`` to the kernels' run-time dispatch (0: AVX2, 1: AVX-512 VNNI);
+    a cap above what the CPU runs is a ConfigError."""
+    isa = env.cpu_isa()
+    if isa != "auto":
+        wanted = ("avx2", "avx512").index(isa)
+        if torch.ops.agentx.kernel_isa(wanted) != wanted:
+            raise ConfigError(f"AGENTX_CPU_ISA={isa}: this CPU cannot run those kernels")
+    return True
 
 
 @contextlib.contextmanager

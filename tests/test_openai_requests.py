@@ -13,7 +13,7 @@ from agentx.errors import (
     RequestAbortedError,
     RequestFailedError,
 )
-from agentx.openai.api import handle
+from agentx.openai.api import APIHandler
 from agentx.openai.conversations import ConversationCache, HeldConversation
 from agentx.openai.errors import to_api_error
 from agentx.openai.requests import assistant_key, parse_chat_request
@@ -116,7 +116,8 @@ def test_assistant_history_renders_calls_in_the_models_markup():
         ({"messages": [{"role": "wizard", "content": "x"}]}, "role must be"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text content"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs must be a boolean"),
+        ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"max_tokens": 0}, "max_tokens must be a positive integer"),
         ({"n": 0}, "n must be between 1 and 16"),
@@ -136,7 +137,8 @@ def test_refusals_name_the_field(fields, words):
 
 def test_a_body_nested_too_deeply_is_a_400_not_a_crash():
     content = b'{"model": "agentx", "messages": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
-    answer = anyio.run(handle, ChatService(), "POST", "/v1/chat/completions", content)
+    handler = APIHandler(ChatService())
+    answer = anyio.run(handler.handle, "POST", "/v1/chat/completions", content)
     assert answer.status == 400 and answer.body["error"]["type"] == "invalid_request_error"
     assert "nested too deeply" in answer.body["error"]["message"]
 

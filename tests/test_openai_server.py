@@ -82,9 +82,13 @@ async def test_streamed_tool_call(client):
         messages=ask, tools=[ADD_TOOL], tool_choice="required", max_tokens=40, stream=True, **GREEDY
     )
     chunks = [c async for c in stream]
-    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
-    assert [(c.index, c.function.name) for c in calls] == [(0, "add")]
-    assert json.loads(calls[0].function.arguments) == {"a": 17, "b": 25}
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    # OpenAI's shape: the first delta names the call, the later ones carry argument pieces
+    assert [(d.index, d.function.name) for d in deltas if d.id] == [(0, "add")]
+    assert deltas[0].id and deltas[0].function.arguments == ""
+    assert len(deltas) > 2 and all(d.id is None and d.function.name is None for d in deltas[1:])
+    arguments = "".join(d.function.arguments for d in deltas)
+    assert json.loads(arguments) == {"a": 17, "b": 25}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -133,7 +137,7 @@ async def test_errors(server, client):
         await client.chat.completions.create(messages=big, max_tokens=4, **GREEDY)
     assert info.value.status_code == 413 and info.value.code == "request_too_large"
     async with httpx2.AsyncClient() as http:
-        headers = {"authorization": f"Bearer {API_KEY}"}
+        headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
         bad_json = await http.post(
             server.base_url + "/chat/completions", content=b"{", headers=headers
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +28,7 @@ DEFAULT_MAX_CONTEXT = 8192
 
 def _add_synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=8, help="session trees (default 8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="synthesis seed (default 0)")
     p.add_argument(
         "--scale",
         type=float,
@@ -41,7 +42,9 @@ def _add_synth_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_CONTEXT,
         help="an agent stops before a turn that would not fit (default 8192)",
     )
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument(
+        "--block-size", type=int, default=64, help="tokens per trace hash id (default 64)"
+    )
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -57,8 +60,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         help="interactivity floor for TPGS-at-floor, tokens/s (default 5)",
     )
     p.add_argument("--out", default="bench-results", help="output folder")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="write no .png plots")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -70,9 +73,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="a peer engine's own model file (repeatable)",
     )
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--kv-cache-gib", type=float, default=2.0)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all cores)"
+    )
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size (default 2)")
+    p.add_argument("--dtype", default="float32", help="activation dtype (default float32)")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -112,15 +117,30 @@ def _add_saturate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cached-fractions", type=floats01, default=None, help="instead of the trace's")
     p.add_argument("--contexts", type=ints, default=None, help="decode contexts instead")
     p.add_argument("--batches", type=ints, default=d.batches, help="decode batches (1,4,16)")
-    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens)
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=d.decode_tokens,
+        help=f"tokens per decode probe (default {d.decode_tokens})",
+    )
     p.add_argument(
         "--prefill-tokens",
         type=int,
         default=d.prefill_tokens,
         help=f"uncached tokens per prefill probe (default {d.prefill_tokens})",
     )
-    p.add_argument("--max-requests", type=int, default=d.max_requests)
-    p.add_argument("--interactivity-floor", type=float, default=d.interactivity_floor)
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=d.max_requests,
+        help=f"requests per probe at most (default {d.max_requests})",
+    )
+    p.add_argument(
+        "--interactivity-floor",
+        type=float,
+        default=d.interactivity_floor,
+        help=f"per-request output tokens/s floor (default {d.interactivity_floor:g})",
+    )
     p.add_argument(
         "--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="the model's context"
     )
@@ -129,13 +149,18 @@ def _add_saturate_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decode probes: a context of its own per request (default: shared but the last block)",
     )
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write no .png plot")
+
+
+def _plain(doc: str) -> str:
+    """A docstring for a terminal: reStructuredText's ``literals`` and :role:`x` unmarked."""
+    return re.sub(r":\w+:`([^`]+)`", r"\1", doc).replace("``", "")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="agentx bench",
-        description=__doc__,
+        description=_plain(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True)
@@ -153,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="re-render plots and the Markdown table from results")
     pl.add_argument("results", help="results.json")
     pl.add_argument("--out", default=None, help="folder (default: next to the results)")
-    pl.add_argument("--floor", type=float, default=None)
+    pl.add_argument(
+        "--floor", type=float, default=None, help="interactivity floor (default: the results')"
+    )
     return p
 
 

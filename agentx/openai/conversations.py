@@ -32,7 +32,7 @@ from agentx.session.context import ChatContext
 
 __all__ = ["ConversationCache", "HeldConversation"]
 
-Setup = tuple[str | None, str]
+Setup = tuple[str | None, ...]  # system text, tools JSON, cache salt
 
 
 @dataclass(slots=True)

@@ -6,10 +6,12 @@ messages become chat-template dicts (and the keys a re-sent history is matched o
 :class:`InvalidRequestError` naming the field, raised before anything reaches the engine. It
 does not know the engine, the HTTP layer or the ``openai`` package.
 
-A field whose meaning agentx cannot honour (penalties, ``logit_bias``, audio) is
-refused rather than silently dropped; fields that only label a request (``user``, ``metadata``,
-``store``, ``service_tier``, ``prompt_cache_key``, ``parallel_tool_calls``) are accepted and have
-no effect. Unknown fields are ignored, as frameworks send provider-specific extras.
+A field whose meaning agentx cannot honour (penalties, ``logit_bias``, audio) is refused rather
+than silently dropped; ``parallel_tool_calls=false`` allows at most one call per reply (the
+grammar's), ``prompt_cache_key`` (else ``user``) names the request's tenant, whose cached
+prefixes no other tenant shares; fields that only label a request (``metadata``, ``store``,
+``service_tier``) are accepted and have no effect. Unknown fields are ignored, as frameworks
+send provider-specific extras.
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ from agentx.session.messages import ToolCall
 from agentx.session.tool_calls import CLOSE, OPEN, render_tool_calls
 from agentx.session.tools import Tool
 
-__all__ = ["ChatRequest", "MessageKey", "assistant_key", "parse_chat_request"]
+__all__ = [
+    "ChatRequest",
+    "MessageKey",
+    "assistant_key",
+    "parse_bool",
+    "parse_chat_request",
+    "parse_int",
+    "parse_max_tokens",
+    "parse_sampling",
+    "parse_tenant",
+]
 
 # What a message is matched on when a caller re-sends its history: what the template renders
 # (role, text, calls by name and arguments), not ids the template never shows.
@@ -66,6 +78,8 @@ class ChatRequest:
     n: int
     stream: bool
     include_usage: bool
+    parallel_tool_calls: bool = True
+    tenant: str | None = None  # prompt_cache_key, else user: who may share cached prefixes
 
     @property
     def setup_key(self) -> tuple[str | None, str]:
@@ -106,6 +120,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         n=n,
         stream=bool(body.get("stream")),
         include_usage=bool(stream_options.get("include_usage")),
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+        tenant=_tenant(body),
     )
 
 
@@ -312,6 +328,26 @@ def _int(body: Mapping, name: str, default: int) -> int:
     return value
 
 
+def _bool(body: Mapping, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be a boolean, got {value!r}")
+    return value
+
+
+def _tenant(body: Mapping) -> str | None:
+    """``prompt_cache_key`` (OpenAI's cache routing key), else ``user``; None when neither."""
+    for name in ("prompt_cache_key", "user"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"{name} must be a string, got {value!r}")
+        if value:
+            return f"{name}:{value}"
+    return None
+
+
 def _given(value: Any) -> bool:
     """A refused field counts only when it asks for something (false, 0, null are defaults)."""
     return value not in (None, False, 0, 0.0, {}, [])
@@ -325,3 +361,27 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+# ---- shared with the other routes (completions.py, responses_api.py) -------------------------
+
+
+def parse_sampling(body: Mapping) -> SamplingParams:
+    """``temperature``, ``top_p``, ``top_k``, ``seed`` and ``stop`` of any route's body."""
+    return _sampling(body)
+
+
+def parse_max_tokens(body: Mapping) -> int | None:
+    return _max_tokens(body)
+
+
+def parse_int(body: Mapping, name: str, default: int) -> int:
+    return _int(body, name, default)
+
+
+def parse_bool(body: Mapping, name: str, default: bool) -> bool:
+    return _bool(body, name, default)
+
+
+def parse_tenant(body: Mapping) -> str | None:
+    return _tenant(body)

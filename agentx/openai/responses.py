@@ -9,8 +9,11 @@ A stream for one choice reads, in order::
 
     {"role": "assistant", "content": ""}                 the first chunk
     {"content": "..."}                                   plain text as it becomes final
-    {"tool_calls": [{"index": k, "id", "type", "function": {"name", "arguments"}}]}
-                                                         one per call, once its markup closed
+    {"tool_calls": [{"index": k, "id", "type", "function": {"name", "arguments": ""}}]}
+                                                         a call's first delta, once its name
+                                                         is written (tool_deltas.py)
+    {"tool_calls": [{"index": k, "function": {"arguments": "..."}}]}
+                                                         its argument text as it arrives
     {} + finish_reason                                   the last chunk of the choice
     choices [] + usage                                   after every choice (include_usage)
 """
@@ -48,6 +51,7 @@ from openai.types.completion_usage import (
 
 from agentx.engine.outputs import TokenLogprob
 from agentx.engine.streams import Generation
+from agentx.openai.tool_deltas import CallDelta
 from agentx.session.messages import ToolCall
 from agentx.session.tool_calls import ToolCallParser, ToolCallStreamFilter
 
@@ -55,6 +59,7 @@ __all__ = [
     "ChoiceResult",
     "ChoiceText",
     "CompletionHeader",
+    "make_call_delta_chunk",
     "make_chunk",
     "make_completion",
     "make_usage",
@@ -208,6 +213,21 @@ def make_chunk(
         finish_reason=finish_reason,
         logprobs=chunk_logprobs(logprobs),
     )
+    return _chunk(header, [choice])
+
+
+def make_call_delta_chunk(
+    header: CompletionHeader, index: int, delta: CallDelta
+) -> ChatCompletionChunk:
+    """A chunk carrying one streamed call delta: the header (id, name) or an argument piece."""
+    call = ChoiceDeltaToolCall(
+        index=delta.index,
+        id=delta.id,
+        type="function" if delta.id is not None else None,
+        function=ChoiceDeltaToolCallFunction(name=delta.name, arguments=delta.arguments),
+    )
+    delta_ = ChoiceDelta(tool_calls=[call])
+    choice = ChunkChoice(index=index, delta=delta_, finish_reason=None, logprobs=None)
     return _chunk(header, [choice])
 
 

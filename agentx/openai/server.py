@@ -1,41 +1,55 @@
-"""``agentx serve``: the Chat Completions API over HTTP, for tools that only speak HTTP.
-
-    agentx serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+"""The ASGI app of ``agentx serve`` and a thread to run it (the command is serve_command.py).
 
 One engine and one :class:`ChatService` serve every connection (requests from all clients
 batch together in the engine, and a client's re-sent history continues its held
 conversation). Routes and bodies are ``api.py``'s, the same the in-process client gets; this
-file adds what a socket needs: loopback by default, an optional API key (``Authorization:
-Bearer KEY``, compared in constant time; 401 otherwise), a request size limit (413, checked
-on the declared length and on the bytes read), SSE streaming (a client that disconnects aborts
-its request), and a clean shutdown: on SIGINT / SIGTERM uvicorn stops accepting, in-flight
-requests get a grace period, then the service releases its held KV and closes the engine.
-Needs the ``serve`` extra (fastapi, uvicorn).
+file adds what a socket needs:
+
+- ``http_guard.py`` first: Host, Origin (CORS, preflight) and ``application/json`` checks;
+- API keys (``Authorization: Bearer KEY``, compared in constant time; 401 otherwise); each key
+  is its own tenant, whose cached prefixes no other key's requests can hit;
+- a request size limit (413, checked on the declared length and on the bytes read);
+- a non-streamed request whose client disconnects is aborted (the connection is polled); a
+  streamed one is aborted when its stream closes;
+- ``GET /health``, ``GET /metrics`` (Prometheus, ``metrics.py``);
+- every error, FastAPI's own 404 / 405 / 422 included, as OpenAI's ``{"error": {...}}``;
+- a clean shutdown: on SIGINT / SIGTERM uvicorn stops accepting, in-flight requests get a
+  grace period, then the service releases its held KV and closes the engine.
+
+Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import hashlib
 import hmac
 import logging
 import threading
+from collections.abc import Sequence
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
-from agentx.openai.api import CHAT_PATH, MODELS_PATH, APIResponse, handle
+from agentx.openai.api import APIHandler, APIResponse
 from agentx.openai.errors import error_body
-from agentx.openai.service import DEFAULT_MODEL_NAME, ChatService
+from agentx.openai.http_guard import HTTPGuard
+from agentx.openai.metrics import CONTENT_TYPE, ServerMetrics
+from agentx.openai.service import ChatService
 
-__all__ = ["ServerThread", "create_app", "serve_main"]
+__all__ = ["ServerThread", "create_app"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 GRACEFUL_SHUTDOWN_S = 5
+DISCONNECT_POLL_S = 0.1
+_ROUTE_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
 
 
 class _TooLarge(Exception):
@@ -45,10 +59,25 @@ class _TooLarge(Exception):
 def create_app(
     service: ChatService,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    served_model_names: Sequence[str] | None = None,
+    accept_any_model: bool = False,
+    host: str = "127.0.0.1",
+    allowed_hosts: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
-    """The ASGI app; its shutdown closes ``service`` (and the engine, if the service owns it)."""
+    """The ASGI app; its shutdown closes ``service`` (and the engine, if the service owns it).
+
+    ``api_key``: one key or several (each a tenant). A body naming a model outside
+    ``served_model_names`` (default: the service's name) is a 404 unless ``accept_any_model``.
+    """
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    api = APIHandler(
+        service, served_model_names=served_model_names, accept_any_model=accept_any_model
+    )
+    metrics = ServerMetrics(service)
+    service.on_finished = metrics.observe
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -57,16 +86,25 @@ def create_app(
         service.close()
 
     app = FastAPI(title="agentx", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.api = api
+    app.state.metrics = metrics
 
-    async def answer(request: Request, method: str, path: str) -> Response:
-        if api_key is not None and not _authorized(request, api_key):
-            return _json(_refusal(401, "invalid or missing API key", "invalid_api_key"))
+    async def answer(request: Request) -> Response:
+        tenant = None
+        if keys:
+            key = _authorized(request, keys)
+            if key is None:
+                return _json(_refusal(401, "invalid or missing API key", "invalid_api_key"))
+            tenant = "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
         try:
             content = await _read_limited(request, max_request_bytes)
         except _TooLarge:
             message = f"the request body exceeds {max_request_bytes} bytes"
             return _json(_refusal(413, message, "request_too_large"))
-        result = await handle(service, method, path, content)
+        work = api.handle(request.method, request.url.path, content, tenant)
+        result = await _unless_disconnected(request, work)
+        if result is None:  # the client left: the request was cancelled (and aborted)
+            return Response(status_code=499)
         if result.events is None:
             return _json(result)
         # the background close runs after the response, a disconnect included
@@ -77,24 +115,65 @@ def create_app(
             background=BackgroundTask(result.events.aclose),
         )
 
-    @app.post(CHAT_PATH)
-    async def chat_completions(request: Request) -> Response:
-        return await answer(request, "POST", CHAT_PATH)
-
-    @app.get(MODELS_PATH)
-    async def models(request: Request) -> Response:
-        return await answer(request, "GET", MODELS_PATH)
-
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.api_route("/v1/{path:path}", methods=_ROUTE_METHODS)
+    async def v1(request: Request) -> Response:
+        return await answer(request)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return _json(_refusal(exc.status_code, message, code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _json(_refusal(422, str(exc.errors()), "invalid_request"))
+
+    app.add_middleware(
+        HTTPGuard, host=host, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins
+    )
     return app
 
 
-def _authorized(request: Request, api_key: str) -> bool:
+async def _unless_disconnected(request: Request, work) -> APIResponse | None:
+    """``work``'s result, or None when the client disconnected first (``work`` is cancelled:
+    a non-streamed request stops generating for nobody)."""
+    result = None
+    async with anyio.create_task_group() as group:
+
+        async def run() -> None:
+            nonlocal result
+            result = await work
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(DISCONNECT_POLL_S)
+            group.cancel_scope.cancel()
+
+        group.start_soon(run)
+        group.start_soon(watch)
+    return result
+
+
+def _authorized(request: Request, keys: list[str]) -> str | None:
+    """The key the request presents, when it is one of ``keys``."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), api_key.encode())
+    if scheme.lower() != "bearer":
+        return None
+    found = None
+    for key in keys:  # every key is compared: the time does not say which one matched
+        if hmac.compare_digest(token.encode(), key.encode()):
+            found = key
+    return found
 
 
 async def _read_limited(request: Request, limit: int) -> bytes:
@@ -110,7 +189,7 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def _refusal(status: int, message: str, code: str) -> APIResponse:
+def _refusal(status: int, message: str, code: str | None) -> APIResponse:
     error = error_body(status, message, "invalid_request_error", code)
     return APIResponse(error.status, error.body)
 
@@ -159,54 +238,3 @@ class ServerThread:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-# ---- the command -----------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="agentx serve", description="Serve the OpenAI Chat Completions API on agentx."
-    )
-    p.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2-135M)")
-    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="the name /v1/models lists")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    p.add_argument("--kv-cache-gib", type=float, default=2.0)
-    p.add_argument("--quantization", default="none", choices=("none", "auto", "int8", "int4"))
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-held-conversations", type=int, default=64)
-    p.add_argument("--default-max-tokens", type=int, default=1024)
-    return p
-
-
-def serve_main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from agentx.config import CacheConfig, EngineConfig
-    from agentx.engine.client import Engine
-
-    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
-        logger.warning("serving on %s without --api-key: anyone reaching it may use it", args.host)
-    config = EngineConfig(
-        model=args.model,
-        quantization=args.quantization,
-        max_model_len=args.max_model_len,
-        cache=CacheConfig(kv_cache_bytes=int(args.kv_cache_gib * (1 << 30))),
-    )
-    service = ChatService(
-        Engine(config),
-        model_name=args.model_name,
-        max_held_conversations=args.max_held_conversations,
-        default_max_tokens=args.default_max_tokens,
-        owns_engine=True,
-    )
-    app = create_app(service, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
-    try:
-        uvicorn.run(
-            app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
-        )
-    finally:
-        service.close()
-    return 0

@@ -9,25 +9,35 @@ prompt and, with ``tool_choice`` (``"auto"`` when tools are given) or ``response
 grammar the engine enforces, so calls parse and JSON answers validate (session/constraints.py).
 ``n`` choices start from forks of the same held KV and share the prompt's cached blocks.
 
+A request's tenant (an API key's, given by the server, and/or ``prompt_cache_key`` / ``user``)
+salts its prefix cache and its held conversations: tenants never share cached blocks, so
+``cached_tokens`` cannot tell a client whether another one sent the same system prompt.
+
 It owns one engine (the process-wide default unless given) and the held conversations; it
-does not know HTTP. Engine calls that may wait (loading the default model, forking held KV)
-run in a worker thread; nothing here blocks the event loop.
+does not know HTTP. Work that may take long (loading the default model, parsing, rendering and
+tokenizing a request, forking held KV) runs in a worker thread; nothing here blocks the event
+loop. A rendered prompt is refused before tokenizing when its text alone could not fit the
+context (a 10 MB tool result is refused at once, not after seconds of tokenizing).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 import anyio
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from agentx.engine.client import Engine
+from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import MAX_SEED, SamplingParams
 from agentx.engine.streams import RequestStream
+from agentx.errors import PromptTooLongError
 from agentx.openai.conversations import ConversationCache, HeldConversation
 from agentx.openai.requests import ChatRequest, assistant_key, parse_chat_request
 from agentx.openai.responses import (
@@ -35,12 +45,15 @@ from agentx.openai.responses import (
     ChoiceText,
     CompletionHeader,
     chunk_logprobs,
+    make_call_delta_chunk,
     make_chunk,
     make_completion,
     make_logprobs,
     make_usage,
     make_usage_chunk,
 )
+from agentx.openai.timing import RequestClock, TimingSink
+from agentx.openai.tool_deltas import CallDelta, ToolCallDeltas
 from agentx.session.constraints import (
     TurnConstraint,
     calls_or_answer_constraint,
@@ -66,6 +79,8 @@ class _Call:
     streams: list[RequestStream]
     handles: list[str]  # held KV given to the streams (released if a stream never adopts it)
     parse_tool_calls: bool
+    setup: tuple  # the held-conversation setup: the request's, salted by its tenant
+    clock: RequestClock | None  # None once the call ended
 
 
 class ChatService:
@@ -73,8 +88,10 @@ class ChatService:
 
     ``max_held_conversations`` bounds the replies whose context and held KV are kept for a
     caller that sends them back; ``default_max_tokens`` caps a reply when the request sets no
-    ``max_tokens`` (further capped by the context left). ``close()`` releases the held KV and,
-    with ``owns_engine``, closes the engine.
+    ``max_tokens`` (further capped by the context left). ``chat_template`` (Jinja source)
+    replaces the model's own template. ``on_finished`` receives every finished request's
+    :class:`RequestTiming`. ``close()`` releases the held KV and, with ``owns_engine``, closes
+    the engine.
     """
 
     def __init__(
@@ -85,8 +102,14 @@ class ChatService:
         max_held_conversations: int = 32,
         default_max_tokens: int = 1024,
         owns_engine: bool = False,
+        chat_template: str | None = None,
+        on_finished: TimingSink | None = None,
     ) -> None:
         self._engine = engine
+        self._tokenizer: Tokenizer | None = None
+        self._max_token_chars = 0
+        self.chat_template = chat_template
+        self.on_finished = on_finished
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.owns_engine = owns_engine
@@ -101,6 +124,42 @@ class ChatService:
         if self._engine is None:
             self._engine = await anyio.to_thread.run_sync(get_default_engine)
         return self._engine
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine once loaded (None before the first ``get_engine``)."""
+        return self._engine
+
+    def get_tokenizer(self, engine: Engine) -> Tokenizer:
+        """The engine's tokenizer, with ``chat_template`` when one was given."""
+        if self._tokenizer is None:
+            tokenizer = engine.tokenizer
+            if self.chat_template is not None:
+                tokenizer = copy.copy(tokenizer)
+                tokenizer.chat_template = self.chat_template
+                tokenizer.get_compiled_chat_template()  # a template that does not parse fails now
+            vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(piece) for piece in vocab), default=1)
+            self._tokenizer = tokenizer
+        return self._tokenizer
+
+    def check_text_fits(self, engine: Engine, num_chars: int) -> None:
+        """Refuse text that needs more tokens than the context holds, before tokenizing it.
+
+        No token stands for more characters than its vocabulary piece has (byte-level pieces
+        are one character per byte); the factor 2 leaves room for normalizers that compose
+        characters."""
+        self.get_tokenizer(engine)
+        min_tokens = num_chars // (2 * self._max_token_chars)
+        if min_tokens > engine.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {num_chars} characters, at least {min_tokens} tokens: more "
+                f"than the model's context of {engine.max_model_len} tokens"
+            )
+
+    def finish_timing(self, route: str, clock: RequestClock, num_prompt_tokens: int) -> None:
+        if self.on_finished is not None:
+            self.on_finished(clock.finish(route, num_prompt_tokens))
 
     @property
     def conversations(self) -> ConversationCache:
@@ -132,14 +191,16 @@ class ChatService:
 
     # ---- the API -----------------------------------------------------------------------------
 
-    async def create(self, body: object) -> ChatCompletion:
-        """A whole completion (``stream`` in ``body`` is ignored)."""
-        call = await self._start(parse_chat_request(body))
+    async def create(self, body: object, tenant: str | None = None) -> ChatCompletion:
+        """A whole completion (``stream`` in ``body`` is ignored). ``tenant``: who sent it
+        (the server's API-key tenant), combined with the body's ``prompt_cache_key``."""
+        call = await self._start(body, tenant)
         try:
             results = []
             for index, stream in enumerate(call.streams):
                 text = ChoiceText(call.parse_tool_calls, self._parser)
                 async for out in stream:
+                    call.clock.tick(len(out.new_token_ids))
                     text.push(out.new_text)
                 text.finish()
                 results.append(self._finish_choice(call, index, text))
@@ -149,10 +210,10 @@ class ChatService:
             call.header, results, self._usage(call, results), self._engine.tokenizer.token_to_text
         )
 
-    async def open_stream(self, body: object) -> ChunkStream:
+    async def open_stream(self, body: object, tenant: str | None = None) -> ChunkStream:
         """Validate and submit the request (raising before any chunk is produced), then
         return its chunks. Closing the stream early aborts what still runs."""
-        call = await self._start(parse_chat_request(body))
+        call = await self._start(body, tenant)
         return ChunkStream(self._chunks(call), lambda: self._end(call))
 
     async def _chunks(self, call: _Call) -> AsyncIterator[ChatCompletionChunk]:
@@ -163,8 +224,11 @@ class ChatService:
             for index, stream in enumerate(call.streams):
                 yield make_chunk(header, index, role=True, content="")
                 text = ChoiceText(call.parse_tool_calls, self._parser)
+                scan = ToolCallDeltas() if call.parse_tool_calls else None
                 async for out in stream:
-                    chunks = _deltas(header, index, text, *text.push(out.new_text))
+                    call.clock.tick(len(out.new_token_ids))
+                    shown, calls = text.push(out.new_text)
+                    chunks = _deltas(header, index, text, scan, out.new_text, shown, calls)
                     if call.request.sampling.logprobs is not None and out.logprobs:
                         logprobs = make_logprobs(out.logprobs, self._engine.tokenizer.token_to_text)
                         if chunks:  # the tokens' logprobs ride on the first chunk they made
@@ -173,7 +237,7 @@ class ChatService:
                             chunks = [make_chunk(header, index, logprobs=logprobs)]
                     for chunk in chunks:
                         yield chunk
-                for chunk in _deltas(header, index, text, *text.finish()):
+                for chunk in _deltas(header, index, text, scan, "", *text.finish()):
                     yield chunk
                 result = self._finish_choice(call, index, text)
                 results.append(result)
@@ -185,25 +249,41 @@ class ChatService:
 
     # ---- one call ----------------------------------------------------------------------------
 
-    async def _start(self, request: ChatRequest) -> _Call:
+    async def _start(self, body: object, tenant: str | None) -> _Call:
+        """Parse, render, tokenize and submit in a worker thread (seconds for a huge request:
+        the event loop keeps serving meanwhile). A cancel that arrives meanwhile ends the
+        call as soon as it exists."""
         engine = await self.get_engine()
-        held = self._conversations.take(request.setup_key, request.keys)
+        with anyio.CancelScope(shield=True):
+            call = await anyio.to_thread.run_sync(self._prepare_call, engine, body, tenant)
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException:
+            self._end(call)
+            raise
+        return call
+
+    def _prepare_call(self, engine: Engine, body: object, tenant: str | None) -> _Call:
+        clock = RequestClock()
+        request = parse_chat_request(body)
+        salt = cache_salt(tenant, request.tenant)
+        setup = (*request.setup_key, salt)
+        held = self._conversations.take(setup, request.keys)
         handles = [held.handle] if held is not None and held.handle is not None else []
         try:
             if held is not None:
                 context, new = held.context, request.messages[len(held.keys) :]
             else:
                 specs = [tool.to_dict() for tool in request.tools] or None
-                context, new = (
-                    ChatContext.with_tools(engine.tokenizer, request.system, specs),
-                    (request.messages),
-                )
+                tokenizer = self.get_tokenizer(engine)
+                context = ChatContext.with_tools(tokenizer, request.system, specs)
+                new = request.messages
+                self.check_text_fits(engine, len(request.system or ""))
+            self.check_text_fits(engine, _num_chars(new))
             prompt = context.prompt_for(list(new))
             sampling, parse_tool_calls = self._sampling(engine, request, len(prompt))
             if handles and request.n > 1:
-                handles += await anyio.to_thread.run_sync(
-                    engine.fork_held, handles[0], request.n - 1
-                )
+                handles += engine.fork_held(handles[0], request.n - 1)
         except BaseException:
             for handle in handles:
                 self._release(handle)
@@ -213,12 +293,14 @@ class ChatService:
             created=int(time.time()),
             model=request.model or self.model_name,
         )
-        call = _Call(request, header, context, prompt, [], handles, parse_tool_calls)
+        call = _Call(request, header, context, prompt, [], handles, parse_tool_calls, setup, clock)
         self._live[id(call)] = call
         try:
             for index in range(request.n):
                 options = RequestOptions(
-                    hold_kv=True, held_kv=handles[index] if index < len(handles) else None
+                    hold_kv=True,
+                    held_kv=handles[index] if index < len(handles) else None,
+                    cache_salt=salt,
                 )
                 seeded = _choice_sampling(sampling, index)
                 call.streams.append(engine.add_request(prompt, seeded, options=options))
@@ -237,7 +319,7 @@ class ChatService:
             context_left = engine.max_model_len - num_prompt_tokens
             max_tokens = max(1, min(self.default_max_tokens, context_left))
         sampling = replace(request.sampling, max_tokens=max_tokens)
-        constraint = _constraint(request)
+        constraint = _constraint(request)  # compiles the grammar: off the event loop
         if constraint is None:
             return sampling, bool(request.tools)
         return constraint.sampling_for(sampling, None), constraint.parse_tool_calls
@@ -252,7 +334,7 @@ class ChatService:
             context.commit_output(gen.token_ids, gen.text, gen.finish_reason)
             held = gen.request_id if gen.finish_reason in ("stop", "length") else None
             keys = (*call.request.keys, assistant_key(result.content, result.calls))
-            self._conversations.put(HeldConversation(call.request.setup_key, keys, context, held))
+            self._conversations.put(HeldConversation(call.setup, keys, context, held))
         return result
 
     def _end(self, call: _Call) -> None:
@@ -260,6 +342,9 @@ class ChatService:
         (the stream's end and the service's close may both come)."""
         if self._live.pop(id(call), None) is None:
             return
+        if call.clock is not None:
+            clock, call.clock = call.clock, None
+            self.finish_timing("chat", clock, len(call.prompt))
         engine = self._engine
         for stream in call.streams:
             if not stream.finished:
@@ -305,13 +390,15 @@ def _constraint(request: ChatRequest) -> TurnConstraint | None:
     default: text or calls, calls that parse); with a ``response_format`` too, ``"auto"`` is
     calls or the JSON answer, ``"none"`` the answer only, a forced call the call only."""
     tools, choice, answer = list(request.tools), request.tool_choice, request.response_format
+    parallel = request.parallel_tool_calls
     if not tools or answer is None:
-        return make_turn_constraint(tools, "auto" if tools and choice is None else choice, answer)
+        choice = "auto" if tools and choice is None else choice
+        return make_turn_constraint(tools, choice, answer, parallel_calls=parallel)
     if choice in (None, "auto"):
-        return calls_or_answer_constraint(tools, answer)
+        return calls_or_answer_constraint(tools, answer, parallel_calls=parallel)
     if choice == "none":
         return make_turn_constraint([], None, answer)
-    return make_turn_constraint(tools, choice, None)
+    return make_turn_constraint(tools, choice, None, parallel_calls=parallel)
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -321,11 +408,31 @@ def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     return replace(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))  # stays in range
 
 
-def _deltas(header, index, text: ChoiceText, shown: str, calls) -> list[ChatCompletionChunk]:
+def cache_salt(*tenants: str | None) -> str | None:
+    """The prefix-cache salt of a request's tenants (None: the shared, unsalted cache)."""
+    named = [t for t in tenants if t]
+    return "\x1f".join(named) if named else None
+
+
+def _num_chars(messages: Sequence[dict]) -> int:
+    return sum(len(str(m.get("content") or "")) for m in messages)
+
+
+def _deltas(
+    header, index, text: ChoiceText, scan: ToolCallDeltas | None, raw: str, shown: str, calls
+) -> list[ChatCompletionChunk]:
+    """Chunks for one push: the content it showed, then the argument deltas of the calls
+    the raw text advanced; a call the scan could not follow goes out whole once parsed."""
     chunks = []
     if shown:
         chunks.append(make_chunk(header, index, content=shown))
+    for delta in scan.push(raw) if scan is not None and raw else ():
+        chunks.append(make_call_delta_chunk(header, index, delta))
     first = len(text.calls) - len(calls)
     for k, call in enumerate(calls, start=first):
-        chunks.append(make_chunk(header, index, calls=[(k, call)]))
+        if scan is not None and scan.is_started(k) and not scan.is_streamed(k):
+            rest = CallDelta(k, None, None, json.dumps(call.arguments, ensure_ascii=False))
+            chunks.append(make_call_delta_chunk(header, index, rest))  # its header went out
+        elif scan is None or not scan.is_streamed(k):
+            chunks.append(make_chunk(header, index, calls=[(k, call)]))
     return chunks

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx2
 
-from agentx.openai.api import APIResponse, SSEEvents, handle
+from agentx.openai.api import APIHandler, APIResponse, SSEEvents
 from agentx.openai.service import ChatService
 
 __all__ = ["AsyncInProcessTransport", "InProcessTransport"]
@@ -50,10 +50,11 @@ class AsyncInProcessTransport(httpx2.AsyncBaseTransport):
     def __init__(self, service: ChatService, owns_service: bool = True) -> None:
         self.service = service
         self.owns_service = owns_service
+        self.api = APIHandler(service)
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         content = await request.aread()
-        answer = await handle(self.service, request.method, request.url.path, content)
+        answer = await self.api.handle(request.method, request.url.path, content)
         events = _AsyncEvents(answer.events) if answer.events is not None else None
         return _response(answer, request, events)
 
@@ -106,13 +107,14 @@ class InProcessTransport(httpx2.BaseTransport):
     def __init__(self, service: ChatService, owns_service: bool = True) -> None:
         self.service = service
         self.owns_service = owns_service
+        self.api = APIHandler(service)
         self._loop = _LoopThread()
         self._open: weakref.WeakSet[_SyncEvents] = weakref.WeakSet()  # streams not closed
         self._closed = False
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         content = request.read()
-        answer = self._loop.run(handle(self.service, request.method, request.url.path, content))
+        answer = self._loop.run(self.api.handle(request.method, request.url.path, content))
         events = _SyncEvents(answer.events, self._loop) if answer.events is not None else None
         if events is not None:
             self._open.add(events)

@@ -110,8 +110,11 @@ def make_turn_constraint(
     tools: Sequence[Tool],
     tool_choice: ToolChoice | None = None,
     response_format: ResponseFormat | None = None,
+    *,
+    parallel_calls: bool = True,
 ) -> TurnConstraint | None:
-    """The constraint for one turn, None when neither argument is given."""
+    """The constraint for one turn, None when neither argument is given; without
+    ``parallel_calls`` a reply holds at most one call."""
     if tool_choice is not None and response_format is not None:
         raise InvalidRequestError(
             "tool_choice and response_format cannot be combined: a reply is either tool calls "
@@ -120,14 +123,16 @@ def make_turn_constraint(
     if response_format is not None:
         structured, validate = response_format_grammar(response_format)
         return TurnConstraint(structured, parse_tool_calls=False, validate=validate)
-    structured = tool_call_grammar(tools, tool_choice)
+    structured = tool_call_grammar(tools, tool_choice, parallel_calls=parallel_calls)
     return None if structured is None else TurnConstraint(structured)
 
 
 # ---- tool_choice -----------------------------------------------------------------------------
 
 
-def tool_call_grammar(tools: Sequence[Tool], choice: ToolChoice | None) -> StructuredOutput | None:
+def tool_call_grammar(
+    tools: Sequence[Tool], choice: ToolChoice | None, *, parallel_calls: bool = True
+) -> StructuredOutput | None:
     """The grammar for ``tool_choice``: ``"auto"``, ``"required"``, ``"none"``, ``{"name": X}``
     (also OpenAI's ``{"type": "function", "function": {"name": X}}`` and Anthropic's
     ``{"type": "auto" | "any" | "none"}`` / ``{"type": "tool", "name": X}``); None for None.
@@ -150,7 +155,8 @@ def tool_call_grammar(tools: Sequence[Tool], choice: ToolChoice | None) -> Struc
             raise InvalidRequestError(
                 f"tool_choice names {name!r}, which is not a declared tool (tools: {known})"
             )
-    return StructuredOutput(grammar=_calls_grammar(chosen, allow_text=mode == "auto"))
+    grammar = _calls_grammar(chosen, allow_text=mode == "auto", parallel_calls=parallel_calls)
+    return StructuredOutput(grammar=grammar)
 
 
 def _parse_choice(choice: Any) -> tuple[str, str | None]:
@@ -171,17 +177,20 @@ def _parse_choice(choice: Any) -> tuple[str, str | None]:
     )
 
 
-def _calls_grammar(tools: list[Tool], allow_text: bool, answer: Schema | None = None) -> str:
-    """Calls to ``tools``; with ``allow_text`` or plain text, or with ``answer`` (a compiled
-    JSON schema) or that JSON answer."""
+def _calls_grammar(
+    tools: list[Tool], allow_text: bool, answer: Schema | None = None, parallel_calls: bool = True
+) -> str:
+    """Calls to ``tools`` (one only without ``parallel_calls``); with ``allow_text`` or plain
+    text, or with ``answer`` (a compiled JSON schema) or that JSON answer."""
     open_, close = _literal(OPEN + "["), _literal("]" + CLOSE)
+    more = _MORE_CALLS if parallel_calls else ""
     if allow_text:
-        lines = ["start: TEXT | block", f"block: {open_} (call {_MORE_CALLS})? {close}"]
+        lines = ["start: TEXT | block", f"block: {open_} (call {more})? {close}"]
     elif answer is not None:
-        lines = ["start: answer | block", f"block: {open_} call {_MORE_CALLS} {close}"]
+        lines = ["start: answer | block", f"block: {open_} call {more} {close}"]
         lines.append(f"answer: %json {json.dumps(answer)}")
     else:
-        lines = [f"start: {open_} call {_MORE_CALLS} {close}"]
+        lines = [f"start: {open_} call {more} {close}"]
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     for i, tool in enumerate(tools):
         head = _literal(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
@@ -198,7 +207,7 @@ def _literal(text: str) -> str:
 
 
 def calls_or_answer_constraint(
-    tools: Sequence[Tool], response_format: ResponseFormat
+    tools: Sequence[Tool], response_format: ResponseFormat, *, parallel_calls: bool = True
 ) -> TurnConstraint:
     """``tool_choice="auto"`` together with ``response_format`` (what the OpenAI API allows
     and agent frameworks send for an agent with tools and a typed output): the reply is tool
@@ -207,7 +216,9 @@ def calls_or_answer_constraint(
     structured, validate = response_format_grammar(response_format)
     if not tools:
         return TurnConstraint(structured, parse_tool_calls=False, validate=validate)
-    grammar = _calls_grammar(list(tools), allow_text=False, answer=structured.json_schema)
+    grammar = _calls_grammar(
+        list(tools), allow_text=False, answer=structured.json_schema, parallel_calls=parallel_calls
+    )
     return TurnConstraint(StructuredOutput(grammar=grammar))
 
 

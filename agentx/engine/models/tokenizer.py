@@ -38,6 +38,8 @@ _CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_o
 # Bump when the cached JSON layout or the way a tokenizer is built changes.
 _CACHE_FORMAT = 1
 
+_RELEASE_GIL_CHARS = 16 << 10
+
 
 class Tokenizer:
     """Encode, decode and render chat templates for one checkpoint. Immutable once built.
@@ -89,7 +91,12 @@ class Tokenizer:
         """Token ids of ``text``; InvalidRequestError for what is not a str of valid Unicode
         (a lone surrogate cannot be encoded to UTF-8, so no tokenizer can read it)."""
         try:
-            ids = self._backend.encode(text, add_special_tokens=False).ids
+            if isinstance(text, str) and len(text) > _RELEASE_GIL_CHARS:
+                # encode_batch runs without the GIL (encode holds it throughout): a long text
+                # tokenized in a worker thread leaves the caller's event loop running
+                ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+            else:
+                ids = self._backend.encode(text, add_special_tokens=False).ids
         except TypeError:
             raise InvalidRequestError(_why_not_text(text)) from None
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:

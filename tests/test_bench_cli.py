@@ -14,8 +14,9 @@ def test_synth_writes_a_trace_and_prints_the_hit_rate(tmp_path, capsys):
     out = tmp_path / "t.jsonl"
     assert bench_main(["synth", "-o", str(out), "--sessions", "8"]) == 0
     err = capsys.readouterr().err
-    assert "synth-s0-n8-x0.05: 8 sessions, 140 requests" in err
-    assert "theoretical prefix hit rate 92.48% (189760 of 205184 prompt tokens" in err
+    assert "synth-s0-n8-x0.05-o0.25: 8 sessions, 99 requests" in err
+    assert "median output 112 tokens" in err  # --output-scale 0.25: decode that weighs
+    assert "theoretical prefix hit rate 89.60% (497408 of 555167 prompt tokens" in err
     trace = load_agentx(out)
     assert len(trace.sessions) == 8 and trace.block_size == 64
 
@@ -36,7 +37,8 @@ def test_run_compare_and_plot(tmp_path, capsys):
     bench_main(["synth", "-o", str(trace), "--sessions", "3", "--scale", "0.01"])
     out = tmp_path / "res"
     common = ["--max-think", "0", "--no-progress", "--out", str(out), "--concurrency", "1,3"]
-    assert bench_main(["run", str(trace), "--engine", "fake", *common]) == 0
+    random_ids = ["--prompts", "random"]  # exact lengths: the achieved hit rate is exact too
+    assert bench_main(["run", str(trace), "--engine", "fake", *random_ids, *common]) == 0
     obj = json.loads((out / "results.json").read_text())
     assert [(r["engine"]["engine"], r["concurrency"]) for r in obj["runs"]] == [
         ("fake", 1),
@@ -65,6 +67,7 @@ def test_run_compare_and_plot(tmp_path, capsys):
     obj = json.loads((out2 / "results.json").read_text())
     order = [(r["engine"]["engine"], r["concurrency"]) for r in obj["runs"]]
     assert order == [("fake", 2), ("fw", 2)]
+    assert (obj["config"]["prompts"], obj["config"]["loop"]) == ("text", "open")  # a trace file
     assert set(obj["summary"]["ratios"]) == {"fake", "fw"} and obj["summary"]["ratios_vs"] == "fake"
     text = capsys.readouterr().out
     assert "TPGS ratio vs fake" in text

@@ -12,9 +12,10 @@ Without TRACE, ``run`` and ``compare`` synthesize the default scaled trace. Prom
 text by default (``--prompts text``: code, tool output and prose from the committed corpus, each
 engine tokenizing it with its own tokenizer) or random token ids (``--prompts random``). With
 ``--loop auto`` a synthesized trace replays closed loop in text mode (each turn's prompt carries
-what the engine generated) and a trace file open loop (:mod:`agentx.bench.closed_loop`). Results go to
-``DIR/results.json`` (rewritten after every point), ``DIR/results.md`` and ``DIR/*.png``;
-``saturate``'s to ``DIR/saturation.json`` (:mod:`agentx.bench.saturate`), ``.md`` and ``.png``.
+what the engine generated) and a trace file open loop (:mod:`agentx.bench.closed_loop`).
+Results go to ``DIR/results.json`` (rewritten after every point), ``DIR/results.md`` and
+``DIR/*.png``; ``saturate``'s to ``DIR/saturation.json`` (:mod:`agentx.bench.saturate`), ``.md``
+and ``.png``.
 """
 
 from __future__ import annotations

@@ -244,4 +244,6 @@ def synthesize(config: SynthConfig | None = None) -> Trace:
             )
         )
     trace_id = f"synth-s{c.seed}-n{c.num_sessions}-x{c.scale:g}"
+    if c.output_scale is not None:
+        trace_id += f"-o{c.output_scale:g}"
     return Trace(trace_id, c.block_size, tuple(sessions), "agentx", meta={"synth": asdict(c)})

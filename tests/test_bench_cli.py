@@ -112,3 +112,56 @@ def test_peer_engine_resolution(tmp_path, monkeypatch):
         "-m", "agentx.bench.worker", "--dtype", "float32", "--kv-cache-gib", "2.0",
         "--max-num-batched-tokens", "2048", "--model", "/m.gguf", "--threads", "2",
     ]  # fmt: skip
+
+
+def test_vllm_ngram_peer_carries_the_speculative_config(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from agentx.bench.engines import EngineSettings, _worker_argv
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("AGENTX_PEERS_DIR", str(tmp_path / "peers"))
+    argv = _worker_argv("vllm-ngram", "", EngineSettings("/m.gguf", 2))
+    assert argv[1:] == [
+        "benchmarks/peers/worker_vllm.py", "--speculative", "ngram",
+        "--num-speculative-tokens", "8", "--prompt-lookup-max", "4", "--prompt-lookup-min", "2",
+        "--model", "/m.gguf", "--threads", "2",
+    ]  # fmt: skip
+    # the peer's own argument parsing turns the flags into vLLM's speculative_config
+    monkeypatch.syspath_prepend(str(repo / "benchmarks" / "peers"))
+    spec = importlib.util.spec_from_file_location(
+        "worker_vllm", repo / "benchmarks" / "peers" / "worker_vllm.py"
+    )
+    worker_vllm = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "worker_vllm", worker_vllm)  # its dataclasses look it up
+    spec.loader.exec_module(worker_vllm)
+    monkeypatch.setattr(sys, "argv", ["worker_vllm.py", *argv[2:]])
+    kwargs = worker_vllm.engine_kwargs(worker_vllm.parse_args())
+    assert kwargs["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 8,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+    monkeypatch.setattr(sys, "argv", ["worker_vllm.py", "--model", "/m", "--threads", "1"])
+    assert "speculative_config" not in worker_vllm.engine_kwargs(worker_vllm.parse_args())
+
+
+def test_parallel_degrees_reach_the_agentx_engines(tmp_path):
+    from agentx.bench.cli import build_parser, make_engines
+    from agentx.bench.engines import EngineSettings, _worker_argv
+
+    settings = EngineSettings("/m.gguf", 2, parallel={"tp": 2, "dcp": 2})
+    argv = _worker_argv("agentx", "", settings)
+    assert argv[argv.index("--dcp") : argv.index("--dcp") + 4] == ["--dcp", "2", "--tp", "2"]
+    trace = str(tmp_path / "t.jsonl")
+    args = build_parser().parse_args(
+        ["saturate", trace, "--out", str(tmp_path), "--engines", "fake", "--tp", "2", "--ep", "1"]
+    )
+    _, settings, _ = make_engines(args, ["fake"])
+    assert settings.parallel == {"tp": 2}
+    args = build_parser().parse_args(["run", "--engine", "agentx-inproc", "--dp", "2"])
+    factories, settings, _ = make_engines(args, ["agentx-inproc"])
+    engine = factories["agentx-inproc"]()  # not started: no model is loaded
+    assert engine.options.engine_config().parallel.dp == 2

@@ -44,7 +44,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from agentx.bench.adapter import (
@@ -77,6 +77,7 @@ class RouterOptions:
     max_num_batched_tokens: int = 2048
     dtype: str = "float32"
     migrate_after: int = 2
+    parallel: dict = field(default_factory=dict)  # each replica's tp, dcp, pcp, ep
 
 
 class RouterAdapter(EngineAdapter):
@@ -109,7 +110,7 @@ class RouterAdapter(EngineAdapter):
             cache=CacheConfig(kv_cache_bytes=o.kv_cache_bytes),
             scheduler=SchedulerConfig(max_num_batched_tokens=o.max_num_batched_tokens),
             offload=offload,
-            parallel=ParallelConfig(dp=o.dp),
+            parallel=ParallelConfig(dp=o.dp, **o.parallel),
         )
         return ReplicaRouter(config, policy)
 

@@ -21,6 +21,23 @@ def test_synth_writes_a_trace_and_prints_the_hit_rate(tmp_path, capsys):
     assert len(trace.sessions) == 8 and trace.block_size == 64
 
 
+def test_loop_follows_the_trace_kind(tmp_path):
+    from agentx.bench.cli import replay_loop
+    from agentx.bench.format_agentx import dump_agentx
+    from agentx.bench.synth import SynthConfig, synthesize
+
+    trace = synthesize(SynthConfig(num_sessions=2, scale=0.01, max_context_tokens=1024))
+    dump_agentx(trace, tmp_path / "t.jsonl")
+    assert load_agentx(tmp_path / "t.jsonl").meta["synth"]["scale"] == 0.01
+    recorded = tmp_path / "r.jsonl"  # a trace without the synth config: recorded
+    recorded.write_text((tmp_path / "t.jsonl").read_text().replace('"synth"', '"other"'))
+    assert load_agentx(recorded).meta == {}
+    assert replay_loop("auto", "text", synthesized=True) == "closed"
+    assert replay_loop("auto", "text", synthesized=False) == "open"
+    assert replay_loop("auto", "random", synthesized=True) == "open"
+    assert replay_loop("closed", "random", synthesized=False) == "closed"
+
+
 def test_plan_alternates_engines():
     assert plan(["a", "b"], [1, 2, 4]) == [
         SweepPoint("a", 1),
@@ -67,7 +84,9 @@ def test_run_compare_and_plot(tmp_path, capsys):
     obj = json.loads((out2 / "results.json").read_text())
     order = [(r["engine"]["engine"], r["concurrency"]) for r in obj["runs"]]
     assert order == [("fake", 2), ("fw", 2)]
-    assert (obj["config"]["prompts"], obj["config"]["loop"]) == ("text", "open")  # a trace file
+    # a trace file that synth wrote: text prompts, closed loop (over the worker protocol too)
+    assert (obj["config"]["prompts"], obj["config"]["loop"]) == ("text", "closed")
+    assert all(r["metrics"]["num_failed"] == 0 for r in obj["runs"])
     assert set(obj["summary"]["ratios"]) == {"fake", "fw"} and obj["summary"]["ratios_vs"] == "fake"
     text = capsys.readouterr().out
     assert "TPGS ratio vs fake" in text

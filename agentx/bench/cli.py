@@ -11,8 +11,9 @@
 Without TRACE, ``run`` and ``compare`` synthesize the default scaled trace. Prompts are real
 text by default (``--prompts text``: code, tool output and prose from the committed corpus, each
 engine tokenizing it with its own tokenizer) or random token ids (``--prompts random``). With
-``--loop auto`` a synthesized trace replays closed loop in text mode (each turn's prompt carries
-what the engine generated) and a trace file open loop (:mod:`agentx.bench.closed_loop`).
+``--loop auto`` a synthesized trace (in memory, or a file ``synth`` wrote) replays closed loop in
+text mode (each turn's prompt carries what the engine generated) and a recorded trace open loop
+(:mod:`agentx.bench.closed_loop`).
 Results go to ``DIR/results.json`` (rewritten after every point), ``DIR/results.md`` and
 ``DIR/*.png``; ``saturate``'s to ``DIR/saturation.json`` (:mod:`agentx.bench.saturate`), ``.md``
 and ``.png``.
@@ -267,7 +268,7 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
     stats = print_stats(trace)
     factories, settings, space = make_engines(args, specs)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    loop = replay_loop(args.loop, args.prompts, synthesized=not args.trace)
+    loop = replay_loop(args.loop, args.prompts, synthesized="synth" in trace.meta)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = {

@@ -61,6 +61,7 @@ from agentx.bench.loader import load_trace
 from agentx.bench.metrics import RunMetrics, run_metrics
 from agentx.bench.prompts import PromptBuilder
 from agentx.bench.replay import ReplayConfig
+from agentx.bench.segments import prompt_token_ids
 from agentx.bench.sweep import run_point
 from agentx.bench.trace import Trace
 from agentx.bench.trace_stats import trace_stats
@@ -131,14 +132,15 @@ class RouterAdapter(EngineAdapter):
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         try:
             replica, stream = self.router.add_request(
-                request.prompt, sampling, session_id=request.session_id,
+                prompt_token_ids(request.prompt, self.router.tokenizer.encode),
+                sampling, session_id=request.session_id,
                 request_id=request.request_id,
             )  # fmt: skip
         except AgentXError as exc:
             raise BenchEngineError(str(exc)) from exc
         self.num_routed[replica] += 1
         try:
-            async for event in agentx_events(stream):
+            async for event in agentx_events(stream, request.return_ids):
                 yield event
         finally:
             if not stream.finished:

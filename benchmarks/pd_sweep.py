@@ -74,6 +74,7 @@ from agentx.bench.pd_sweep import (
 )
 from agentx.bench.prompts import PromptBuilder
 from agentx.bench.replay import ReplayConfig
+from agentx.bench.segments import prompt_token_ids
 from agentx.bench.sweep import run_point
 from agentx.bench.trace_stats import trace_stats
 from agentx.errors import ConfigError
@@ -144,14 +145,16 @@ class PDAdapter(EngineAdapter):
         from agentx import AgentXError, SamplingParams
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        add = partial(self.coordinator.add_request, request.prompt, sampling,
+        tokenizer = getattr(self.coordinator, "tokenizer", None)
+        prompt = prompt_token_ids(request.prompt, tokenizer and tokenizer.encode)
+        add = partial(self.coordinator.add_request, prompt, sampling,
                       session_id=request.session_id, request_id=request.request_id)  # fmt: skip
         try:
             stream = await anyio.to_thread.run_sync(add)
         except AgentXError as exc:
             raise BenchEngineError(str(exc)) from exc
         try:
-            async for event in agentx_events(stream):
+            async for event in agentx_events(stream, request.return_ids):
                 yield event
         finally:
             if not stream.finished:

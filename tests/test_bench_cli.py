@@ -15,8 +15,8 @@ def test_synth_writes_a_trace_and_prints_the_hit_rate(tmp_path, capsys):
     assert bench_main(["synth", "-o", str(out), "--sessions", "8"]) == 0
     err = capsys.readouterr().err
     assert "synth-s0-n8-x0.05-o0.25: 8 sessions, 99 requests" in err
-    assert "median output 112 tokens" in err  # --output-scale 0.25: decode that weighs
-    assert "theoretical prefix hit rate 89.60% (497408 of 555167 prompt tokens" in err
+    assert "median output 111 tokens" in err  # --output-scale 0.25: decode that weighs
+    assert "theoretical prefix hit rate 89.46% (491264 of 549119 prompt tokens" in err
     trace = load_agentx(out)
     assert len(trace.sessions) == 8 and trace.block_size == 64
 

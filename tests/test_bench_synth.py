@@ -112,21 +112,21 @@ def test_deterministic_and_seeded(tmp_path):
 
 
 def test_scale_fits_the_context():
-    config = SynthConfig(num_sessions=8, scale=0.05, output_scale=0.25, max_context_tokens=8192)
+    config = SynthConfig(num_sessions=8, scale=0.05, output_scale=0.25, max_context_tokens=7680)
     trace = synthesize(config)
     stats = trace_stats(trace)
     # the CLI's default scaled trace, exactly (the same on every machine)
     assert (stats.num_requests, stats.num_prompt_tokens, stats.num_output_tokens) == (
         99,
-        555167,
-        15997,
+        549119,
+        15970,
     )
-    assert stats.theoretical_hit_tokens == 497408
+    assert stats.theoretical_hit_tokens == 491264
     assert 6 <= stats.median_turns <= 12  # 43 * sqrt(0.05) = 9.6
     assert 100 <= stats.median_output_tokens <= 125  # 444 * 0.25
-    assert stats.max_input_tokens <= 8192
+    assert stats.max_input_tokens <= 7680
     for _, r in trace.iter_requests():
-        assert r.num_input_tokens + r.num_output_tokens <= 8192 and r.num_output_tokens >= 2
+        assert r.num_input_tokens + r.num_output_tokens <= 7680 and r.num_output_tokens >= 2
     tiny = synthesize(SynthConfig(num_sessions=4, scale=0.01, max_context_tokens=600))
     assert all(r.num_input_tokens + r.num_output_tokens <= 600 for _, r in tiny.iter_requests())
 

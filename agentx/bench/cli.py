@@ -1,7 +1,7 @@
 """``agentx bench`` / ``python -m agentx.bench``: synth, run, compare, saturate, plot.
 
     agentx bench synth -o trace.jsonl [--sessions 8 --scale 0.05 --output-scale 0.25
-                                       --max-context 8192 --seed 0]
+                                       --max-context 7680 --seed 0]
     agentx bench run [TRACE] [--engine agentx-inproc] [--concurrency 2,8] [--out DIR]
                              [--prompts text|random] [--loop auto|open|closed]
     agentx bench compare [TRACE] --engines agentx,vllm [--concurrency 2,8] [--out DIR]
@@ -32,7 +32,10 @@ from agentx.bench.trace import Trace
 
 DEFAULT_SCALE = 0.05
 DEFAULT_OUTPUT_SCALE = 0.25  # a median of ~110 output tokens a turn: decode that weighs
-DEFAULT_MAX_CONTEXT = 8192
+MODEL_CONTEXT = 8192  # SmolLM2's
+# synthesized traces stop 512 tokens short of it: a text prompt tokenizes to its trace length
+# within a few % (agentx/bench/corpus.py), and must still fit
+DEFAULT_MAX_CONTEXT = MODEL_CONTEXT - 512
 
 
 def _add_synth_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +59,8 @@ def _add_synth_args(p: argparse.ArgumentParser) -> None:
         "--max-context",
         type=int,
         default=DEFAULT_MAX_CONTEXT,
-        help="an agent stops before a turn that would not fit (default 8192)",
+        help="an agent compacts (or stops) before a turn that would not fit (default "
+        f"{DEFAULT_MAX_CONTEXT}: SmolLM2's 8K less room for text tokenization)",
     )
     p.add_argument("--block-size", type=int, default=64)
 
@@ -155,9 +159,7 @@ def _add_saturate_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-requests", type=int, default=d.max_requests)
     p.add_argument("--interactivity-floor", type=float, default=d.interactivity_floor)
-    p.add_argument(
-        "--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="the model's context"
-    )
+    p.add_argument("--max-context", type=int, default=MODEL_CONTEXT, help="the model's context")
     p.add_argument(
         "--distinct-contexts",
         action="store_true",

@@ -163,7 +163,11 @@ class Replay:
                 await self._run_request(session, agent_id, step, context)
 
     def _prompt(
-        self, session: SessionTrace, request: TraceRequest, request_id: str, context
+        self,
+        session: SessionTrace,
+        request: TraceRequest,
+        request_id: str,
+        context: AgentContext | None,
     ) -> Prompt:
         if context is not None:
             return context.prompt_for(request, self.prompts, session.scope, request_id)

@@ -10,11 +10,11 @@ files read in: median 105K tokens, missed once), then a median of 43 root turns,
 prompt being the previous prompt plus the previous output plus a tool result (median 1K), so
 >96% of each prompt was seen before. When a turn would not fit ``max_context_tokens`` the agent
 compacts: its context becomes the shared prefix plus new blocks (median 60K: a summary and what
-it re-reads), as agents do at their context limit; it is why the median input sits at 142K and
-not at the limit. Think (tool) time passes between turns. 44% of sessions (a Weyl sequence, so
-any run of sessions hits the fraction) spawn one parallel group of subagents (median 4 rollouts)
-whose prompts fork from the parent's context at that turn; the parent's next turn carries their
-results.
+it re-reads), as agents do at their context limit; it is why the median input sits near 142K
+(137K over 200 sessions, seed 0) and not at the limit. Think (tool) time passes between turns.
+44% of sessions (a Weyl sequence, so any run of sessions hits the fraction) spawn one parallel
+group of subagents (median 4 rollouts) whose prompts fork from the parent's context at that
+turn; the parent's next turn carries their results.
 
 ``scale`` shrinks every input token count by ``scale`` and turn counts by ``sqrt(scale)`` (so a
 scaled session keeps a similar shape: many turns, small steps); ``output_scale`` (default:

@@ -28,7 +28,7 @@ class RecordingEngine(FakeEngine):
     """The fake engine, keeping every request's output ids."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(record_prompts=True)
         self.outputs: dict[str, tuple[int, ...]] = {}
 
     async def generate(self, request):

@@ -3,9 +3,9 @@
 Each request waits ``prefill_s_per_token`` per uncached prompt token, then emits one token every
 ``decode_s_per_token`` seconds. Its cache remembers every prompt it saw by block-aligned prefix
 (``block_size`` tokens), so ``num_cached`` is the longest cached block-aligned prefix. It also
-logs every call (``log``) and every prompt's token ids (``prompts``) so tests can check ordering
-and what was sent. Text prompts are tokenized by :func:`fake_encode` (one id per four
-characters); output ids are a function of the prompt's length and position.
+logs every call (``log``), and with ``record_prompts`` every prompt's token ids (``prompts``), so
+tests can check ordering and what was sent. Text prompts are tokenized by :func:`fake_encode`
+(one id per four characters); output ids are a function of the prompt's length and position.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class FakeEngine(EngineAdapter):
         decode_s_per_token: float = 0.0,
         prefill_s_per_token: float = 0.0,
         block_size: int = 16,
+        record_prompts: bool = False,
     ) -> None:
         self.decode_s_per_token = decode_s_per_token
         self.prefill_s_per_token = prefill_s_per_token
@@ -39,6 +40,7 @@ class FakeEngine(EngineAdapter):
         self.log: list[tuple[str, str, str]] = []  # (event, request id or session, session)
         self.live = 0
         self.max_live = 0
+        self.record_prompts = record_prompts
         self.prompts: dict[str, list[int]] = {}  # request id -> prompt token ids
 
     async def start(self) -> EngineInfo:
@@ -57,9 +59,9 @@ class FakeEngine(EngineAdapter):
         self.live += 1
         self.max_live = max(self.max_live, self.live)
         try:
-            prompt = self.prompts[request.request_id] = prompt_token_ids(
-                request.prompt, fake_encode
-            )
+            prompt = prompt_token_ids(request.prompt, fake_encode)
+            if self.record_prompts:
+                self.prompts[request.request_id] = prompt
             cached = self._lookup(prompt)
             await asyncio.sleep((len(prompt) - cached) * self.prefill_s_per_token)
             for _ in range(request.max_tokens):

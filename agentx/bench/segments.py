@@ -43,8 +43,9 @@ def prompt_token_ids(prompt: list[int] | Prompt, encode: Encode | None) -> list[
     return prompt.token_ids(encode) if isinstance(prompt, Prompt) else prompt
 
 
-def cached_encode(encode: Encode, maxsize: int = 1 << 14) -> Encode:
+def cached_encode(encode: Encode, maxsize: int = 2048) -> Encode:
     """``encode`` with an LRU cache: a closed-loop session sends its earlier text segments again
-    with every turn."""
+    with every turn (``maxsize`` covers the live sessions' segments; an evicted one is only
+    tokenized again)."""
     cached = lru_cache(maxsize=maxsize)(lambda text: tuple(encode(text)))
     return lambda text: list(cached(text))

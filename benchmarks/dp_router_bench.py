@@ -44,7 +44,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from agentx.bench.adapter import (
@@ -61,6 +61,7 @@ from agentx.bench.loader import load_trace
 from agentx.bench.metrics import RunMetrics, run_metrics
 from agentx.bench.prompts import PromptBuilder
 from agentx.bench.replay import ReplayConfig
+from agentx.bench.segments import prompt_token_ids
 from agentx.bench.sweep import run_point
 from agentx.bench.trace import Trace
 from agentx.bench.trace_stats import trace_stats
@@ -77,6 +78,7 @@ class RouterOptions:
     max_num_batched_tokens: int = 2048
     dtype: str = "float32"
     migrate_after: int = 2
+    parallel: dict = field(default_factory=dict)  # each replica's tp, dcp, pcp, ep
 
 
 class RouterAdapter(EngineAdapter):
@@ -109,7 +111,7 @@ class RouterAdapter(EngineAdapter):
             cache=CacheConfig(kv_cache_bytes=o.kv_cache_bytes),
             scheduler=SchedulerConfig(max_num_batched_tokens=o.max_num_batched_tokens),
             offload=offload,
-            parallel=ParallelConfig(dp=o.dp),
+            parallel=ParallelConfig(dp=o.dp, **o.parallel),
         )
         return ReplicaRouter(config, policy)
 
@@ -130,14 +132,15 @@ class RouterAdapter(EngineAdapter):
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         try:
             replica, stream = self.router.add_request(
-                request.prompt, sampling, session_id=request.session_id,
+                prompt_token_ids(request.prompt, self.router.tokenizer.encode),
+                sampling, session_id=request.session_id,
                 request_id=request.request_id,
             )  # fmt: skip
         except AgentXError as exc:
             raise BenchEngineError(str(exc)) from exc
         self.num_routed[replica] += 1
         try:
-            async for event in agentx_events(stream):
+            async for event in agentx_events(stream, request.return_ids):
                 yield event
         finally:
             if not stream.finished:

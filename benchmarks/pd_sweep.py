@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -74,6 +74,7 @@ from agentx.bench.pd_sweep import (
 )
 from agentx.bench.prompts import PromptBuilder
 from agentx.bench.replay import ReplayConfig
+from agentx.bench.segments import prompt_token_ids
 from agentx.bench.sweep import run_point
 from agentx.bench.trace_stats import trace_stats
 from agentx.errors import ConfigError
@@ -86,6 +87,7 @@ class WorkerOptions:
     max_num_batched_tokens: int = 2048
     dtype: str = "float32"
     local_prefill_tokens: int = 64  # DisaggConfig's: a warm turn with more new tokens goes to P
+    parallel: dict = field(default_factory=dict)  # each worker's tp, dcp, pcp, ep (ParallelConfig)
 
     def router_options(self, num_workers: int) -> RouterOptions:
         return RouterOptions(
@@ -94,6 +96,7 @@ class WorkerOptions:
             kv_cache_bytes=self.kv_cache_bytes,
             max_num_batched_tokens=self.max_num_batched_tokens,
             dtype=self.dtype,
+            parallel=dict(self.parallel),
         )
 
 
@@ -110,7 +113,7 @@ class PDAdapter(EngineAdapter):
         self._disk: tempfile.TemporaryDirectory | None = None
 
     def _build(self):
-        from agentx import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
+        from agentx import CacheConfig, EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
         from agentx.config import DisaggConfig
         from agentx.engine.disagg import DisaggCoordinator
 
@@ -122,6 +125,7 @@ class PDAdapter(EngineAdapter):
             cache=CacheConfig(kv_cache_bytes=o.kv_cache_bytes),
             scheduler=SchedulerConfig(max_num_batched_tokens=o.max_num_batched_tokens),
             offload=OffloadConfig(disk_path=self._disk.name),
+            parallel=ParallelConfig(**o.parallel),
         )
         disagg = DisaggConfig(self.split.num_prefill, self.split.num_decode, o.local_prefill_tokens)
         return DisaggCoordinator(config, disagg)  # returns once every instance is warm
@@ -141,14 +145,16 @@ class PDAdapter(EngineAdapter):
         from agentx import AgentXError, SamplingParams
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        add = partial(self.coordinator.add_request, request.prompt, sampling,
+        tokenizer = getattr(self.coordinator, "tokenizer", None)
+        prompt = prompt_token_ids(request.prompt, tokenizer and tokenizer.encode)
+        add = partial(self.coordinator.add_request, prompt, sampling,
                       session_id=request.session_id, request_id=request.request_id)  # fmt: skip
         try:
             stream = await anyio.to_thread.run_sync(add)
         except AgentXError as exc:
             raise BenchEngineError(str(exc)) from exc
         try:
-            async for event in agentx_events(stream):
+            async for event in agentx_events(stream, request.return_ids):
                 yield event
         finally:
             if not stream.finished:
@@ -207,6 +213,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--local-prefill-tokens", type=int, default=64, help="DisaggConfig's")
     p.add_argument("--dtype", default="float32")
+    for degree in ("tp", "dcp", "pcp", "ep"):
+        p.add_argument(
+            f"--{degree}", type=int, default=1, help=f"each worker's ParallelConfig.{degree}"
+        )
     p.add_argument("--concurrency", type=int, default=8, help="live session trees")
     p.add_argument("--max-think", type=float, default=2.0, help="cap on think time, seconds")
     p.add_argument("--max-sessions", type=int, default=None, help="replay the first N sessions")
@@ -260,6 +270,18 @@ def _header(args: argparse.Namespace, trace, stats: dict, command: str) -> str:
     )
 
 
+def worker_options(args: argparse.Namespace) -> WorkerOptions:
+    """Every worker's options from the command line (``--tp`` ... reach its ParallelConfig)."""
+    return WorkerOptions(
+        threads=args.threads_per_worker,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        local_prefill_tokens=args.local_prefill_tokens,
+        parallel={d: getattr(args, d) for d in ("tp", "dcp", "pcp", "ep") if getattr(args, d) != 1},
+    )
+
+
 def run_split(split: Split, options: WorkerOptions, trace, config, prompts):
     """One split on fresh workers: its metrics (TPGS per worker) and its engine stats."""
     factory = partial(make_adapter, split, options)
@@ -272,13 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     trace = slice_trace(load_trace(args.trace), args.max_sessions)
     stats = trace_stats(trace).to_dict()
-    options = WorkerOptions(
-        threads=args.threads_per_worker,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        dtype=args.dtype,
-        local_prefill_tokens=args.local_prefill_tokens,
-    )
+    options = worker_options(args)
     predictions: dict[str, Prediction] = {}
     if args.profile_obj is not None:
         try:

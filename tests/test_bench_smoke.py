@@ -21,7 +21,7 @@ def test_replay_on_agentx_in_process():
     config = SynthConfig(num_sessions=2, seed=1, scale=0.01, max_context_tokens=1024)
     trace = synthesize(config)
     stats = trace_stats(trace)
-    assert (stats.num_requests, stats.num_output_tokens) == (12, 88)
+    assert (stats.num_requests, stats.num_output_tokens) == (15, 102)
     engine = AgentxEngine(AgentxOptions(threads=2, kv_cache_bytes=128 << 20))
 
     async def go():
@@ -36,15 +36,39 @@ def test_replay_on_agentx_in_process():
     assert result.engine.engine == "agentx" and not result.interrupted
     assert stats_after["prefix_cache_hit_tokens"] == stats.theoretical_hit_tokens
     expected = {r.num_output_tokens for _, r in trace.iter_requests()}
-    assert all(r.ok for r in result.records) and len(result.records) == 12
+    assert all(r.ok for r in result.records) and len(result.records) == 15
     assert {r.num_output_tokens for r in result.records} == expected
-    assert sum(r.num_output_tokens for r in result.records) == 88
+    assert sum(r.num_output_tokens for r in result.records) == 102
     # the engine reuses exactly what the trace says was seen before (nothing evicted here)
     for r in result.records:
         assert r.num_cached_tokens == r.theoretical_hit_tokens, r.request_id
     m = run_metrics(result)
     assert m.achieved_hit_rate == m.theoretical_hit_rate == stats.theoretical_hit_rate
     assert m.num_recomputed_tokens == 0 and m.tpgs > 0 and m.ttft_p50 > 0
+
+
+def test_closed_loop_text_replay_on_agentx_in_process():
+    """Text prompts tokenized by the engine's own tokenizer; each turn carries its output ids."""
+    from agentx.bench.prompts import TextPromptBuilder
+
+    trace = synthesize(SynthConfig(num_sessions=2, seed=1, scale=0.01, max_context_tokens=1024))
+    engine = AgentxEngine(AgentxOptions(threads=2, kv_cache_bytes=128 << 20))
+
+    async def go():
+        info = await engine.start()
+        try:
+            config = ReplayConfig(concurrency=2, max_think=0, progress=False, loop="closed")
+            replay = Replay(trace, engine, config, TextPromptBuilder(trace.block_size))
+            return await replay.run(info)
+        finally:
+            await engine.close()
+
+    result = asyncio.run(go())
+    assert all(r.ok for r in result.records) and len(result.records) == 15
+    assert sum(r.num_output_tokens for r in result.records) == 102
+    m = run_metrics(result)
+    # a turn that extends the last one finds that prompt and its output in the cache
+    assert m.achieved_hit_rate > 0.5
 
 
 def test_agentx_worker_speaks_the_protocol():

@@ -7,6 +7,8 @@ import pytest
 
 from agentx.bench import protocol
 from agentx.bench.adapter import BenchEngineError, Done, GenerateRequest, Tokens
+from agentx.bench.fake_engine import fake_encode
+from agentx.bench.segments import Prompt
 from agentx.bench.worker_engine import WorkerEngine
 
 FAKE = [sys.executable, "-m", "agentx.bench.fake_worker", "--model", "x", "--threads", "1"]
@@ -81,3 +83,38 @@ def test_speculative_flag_reaches_the_engine_config():
         options = AgentxOptions(speculative=enabled)
         assert options.engine_config().speculative.enabled is enabled
         assert options.describe()["speculative"] is enabled
+
+
+def test_parallel_flags_reach_the_engine_config():
+    from agentx import ParallelConfig
+    from agentx.bench.worker import agentx_options, parse_args
+
+    assert agentx_options(parse_args([])).engine_config().parallel == ParallelConfig()
+    args = parse_args(["--tp", "2", "--dcp", "2", "--pcp", "1", "--ep", "1", "--dp", "3"])
+    options = agentx_options(args)
+    assert options.parallel == {"tp": 2, "dcp": 2, "dp": 3}
+    assert options.engine_config().parallel == ParallelConfig(tp=2, dcp=2, dp=3)
+    assert options.describe()["parallel"] == {"tp": 2, "dcp": 2, "dp": 3}
+    ep = agentx_options(parse_args(["--ep", "4"])).engine_config().parallel
+    assert (ep.ep, ep.world_size) == (4, 4)
+
+
+def test_output_ids_come_back_when_asked():
+    assert protocol.generate_op("r", "s", [1], 2, return_ids=True).endswith(
+        b'"max_tokens":2,"return_ids":true}\n'
+    )
+    assert protocol.done_ev("r", 2, 0, (5, 6)).endswith(b'"num_cached":0,"token_ids":[5,6]}\n')
+
+    async def go():
+        engine = WorkerEngine("fake", FAKE, encode=fake_encode)
+        await engine.start()
+        request = GenerateRequest("a", "s", Prompt(("some text here", (7, 8))), 2, return_ids=True)
+        events = [e async for e in engine.generate(request)]
+        plain = await collect(engine, "b", [1, 2, 3], 2)
+        await engine.close()
+        return events, plain
+
+    events, plain = asyncio.run(go())
+    n = len(fake_encode("some text here")) + 2  # the text, tokenized here, then the ids
+    assert events[-1] == Done(2, 0, tuple(17 + (n * 31 + i) % 1000 for i in range(2)))
+    assert plain[-1] == Done(2, 0)  # not asked: no ids

@@ -215,7 +215,7 @@ def test_command_profile_errors(monkeypatch, capsys, tmp_path):
 
 @pytest.mark.slow
 def test_tiny_sweep_through_the_real_coordinator_and_router(monkeypatch, tmp_path, capsys):
-    """1 session, 5 requests (1,128 prompt tokens, 56 output): colocated and 1P1D."""
+    """1 session, 8 requests (6,228 prompt tokens, 54 output): colocated and 1P1D."""
     script = _script(monkeypatch)
     trace = tmp_path / "tiny.jsonl"
     dump_agentx(synthesize(SynthConfig(num_sessions=1, seed=1, scale=0.01,
@@ -230,14 +230,22 @@ def test_tiny_sweep_through_the_real_coordinator_and_router(monkeypatch, tmp_pat
     assert [r["split"] for r in sweep["runs"]] == ["colocated", "1P1D"]
     for run in sweep["runs"]:
         m = run["metrics"]
-        assert (m["num_requests"], m["num_failed"], m["num_output_tokens"]) == (5, 0, 56)
+        assert (m["num_requests"], m["num_failed"], m["num_output_tokens"]) == (8, 0, 54)
         assert m["achieved_hit_rate"] == m["theoretical_hit_rate"]  # nothing recomputed
         assert run["prediction"]["tokens_per_s_per_worker"] > 0
     counters = sweep["runs"][1]["engine_stats"]["counters"]
-    assert counters["num_handovers"] + counters["num_local_prefills"] == 5
+    assert counters["num_handovers"] + counters["num_local_prefills"] == 8
     assert counters["num_failed"] == 0
     best = script.best_split([RunMetrics(**r["metrics"]) for r in sweep["runs"]], 5.0)
     assert sweep["best"] == (best.engine if best else None)
     assert (out / "pd_sweep.png").stat().st_size > 0
     assert "| 1P1D |" in (out / "pd_sweep.md").read_text()
     assert "best split at interactivity P90 >= 5 tok/s" in capsys.readouterr().out
+
+
+def test_parallel_flags_reach_every_worker(monkeypatch):
+    script = _script(monkeypatch)
+    options = script.worker_options(script.parse_args(["--tp", "2", "--ep", "1"]))
+    assert options.parallel == {"tp": 2}
+    assert options.router_options(3).parallel == {"tp": 2}
+    assert script.worker_options(script.parse_args([])).parallel == {}

@@ -6,7 +6,10 @@
     format_mooncake.py, loader.py   the Mooncake FAST'25 JSONL format; load either
     synth.py                        synthetic traces with the published statistics, --scale
     mixed.py                        a fixed trace of cold long first turns among warm turns (lanes)
-    prompts.py                      hash ids -> deterministic token blocks
+    prompts.py                      hash ids -> deterministic blocks of text or of token ids
+    corpus.py, data/                the committed text corpus text prompts are cut from
+    segments.py                     a prompt as text / token-id segments; adapters tokenize
+    closed_loop.py                  a turn's prompt = the last prompt + generated ids + new text
     adapter.py                      EngineAdapter (the ABC the replay drives) and its records
     fake_engine.py, agentx_engine.py, worker_engine.py   fake, in-process agentx, subprocess
     protocol.py, worker.py          the worker protocol; the agentx worker

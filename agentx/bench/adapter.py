@@ -12,13 +12,20 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from agentx.bench.segments import Prompt
+
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
+    """``prompt`` is token ids, or segments whose text the adapter tokenizes with its engine's
+    own tokenizer (:mod:`agentx.bench.segments`). ``return_ids``: ``Done`` carries the output's
+    token ids (the closed loop feeds them into the agent's next prompt)."""
+
     request_id: str
     session_id: str  # the agent (root or subagent) the request belongs to
-    prompt: list[int]
+    prompt: list[int] | Prompt
     max_tokens: int
+    return_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +38,11 @@ class Tokens:
 @dataclass(frozen=True, slots=True)
 class Done:
     """The request finished; ``num_cached`` prompt tokens came from the engine's cache (None:
-    the engine does not say)."""
+    the engine does not say); ``token_ids``: the output, when the request asked for it."""
 
     num_output: int
     num_cached: int | None
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +60,9 @@ class EngineAdapter(ABC):
       before it. It may take seconds to minutes; the replay clock starts after it.
     - ``generate`` yields :class:`Tokens` as output is produced (the caller timestamps them on
       receipt), then exactly one :class:`Done`. Output is greedy, ignores EOS and is exactly
-      ``max_tokens`` long. Many ``generate`` streams may be open at once. Cancelling the
+      ``max_tokens`` long; with ``return_ids`` the ``Done`` carries its token ids. A prompt of
+      :class:`Prompt` segments is tokenized by the adapter (its engine's tokenizer, segment by
+      segment). Many ``generate`` streams may be open at once. Cancelling the
       iteration aborts the request. Failures raise :class:`BenchEngineError`.
     - ``end_session`` tells the engine a session will send nothing more (it may free its cache);
       it must not fail for unknown sessions.
@@ -84,17 +94,20 @@ class BenchEngineError(RuntimeError):
     """The engine under test failed a request (the replay records it and goes on)."""
 
 
-async def agentx_events(outputs: AsyncIterator) -> AsyncIterator[Tokens | Done]:
+async def agentx_events(
+    outputs: AsyncIterator, return_ids: bool = False
+) -> AsyncIterator[Tokens | Done]:
     """An agentx stream's outputs as bench events; an agentx error becomes BenchEngineError."""
     from agentx import AgentXError  # imported here: the adapter layer knows no engine
 
-    num_output = 0
+    output: list[int] = []
     try:
         async for out in outputs:
             if out.new_token_ids:
-                num_output += len(out.new_token_ids)
+                output.extend(out.new_token_ids)
                 yield Tokens(len(out.new_token_ids))
             if out.finished:
-                yield Done(num_output, out.num_cached_tokens)
+                ids = tuple(output) if return_ids else None
+                yield Done(len(output), out.num_cached_tokens, ids)
     except AgentXError as exc:
         raise BenchEngineError(str(exc)) from exc

@@ -2,7 +2,9 @@
 
 Every request is greedy with EOS ignored; ``num_cached`` is the engine's own count of prompt
 tokens served from its prefix cache. Sessions need no explicit end: the prefix cache keeps
-what is worth keeping and evicts in LRU order.
+what is worth keeping and evicts in LRU order. ``AgentxOptions.parallel`` is the engine's
+``ParallelConfig`` (tp, dcp, pcp, ep, dp); with ``dp > 1`` the adapter drives a
+``ReplicaRouter`` of ``dp`` engines (sticky sessions) instead of one engine.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 from agentx.bench.adapter import (
+    BenchEngineError,
     Done,
     EngineAdapter,
     EngineInfo,
@@ -19,6 +22,7 @@ from agentx.bench.adapter import (
     Tokens,
     agentx_events,
 )
+from agentx.bench.segments import cached_encode, prompt_token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +40,13 @@ class AgentxOptions:
     offload: object | None = None  # an agentx.OffloadConfig (tiers below the device)
     speculative: bool | None = None  # drafting from context; None: SpeculativeConfig's default
     small_step_tokens: int | None = None  # None: EngineConfig's default
+    parallel: dict = field(default_factory=dict)  # ParallelConfig fields: tp, dcp, pcp, ep, dp
 
     def engine_config(self):
-        from agentx import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig
+        from agentx import CacheConfig, EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
 
         return EngineConfig(
+            parallel=ParallelConfig(**self.parallel),
             speculative=self._speculative(),
             offload=self.offload or OffloadConfig(),
             model=self.model,
@@ -82,6 +88,7 @@ class AgentxOptions:
                 else {"small_step_tokens": self.small_step_tokens}
             ),
             **({"scheduler": dict(self.scheduler_options)} if self.scheduler_options else {}),
+            **({"parallel": dict(self.parallel)} if self.parallel else {}),
         }
 
     def _speculative(self):
@@ -98,37 +105,72 @@ class AgentxEngine(EngineAdapter):
     def __init__(self, options: AgentxOptions | None = None) -> None:
         self.options = options or AgentxOptions()
         self.engine = None
+        self.router = None  # with dp > 1: a ReplicaRouter, and ``engine`` is its first replica
+        self._encode = None  # the engine's tokenizer, for text prompts
 
     async def start(self) -> EngineInfo:
         import anyio
 
         from agentx import Engine, __version__
 
-        self.engine = await anyio.to_thread.run_sync(Engine, self.options.engine_config())
-        config = {**self.options.describe(), "max_model_len": self.engine.max_model_len}
-        return EngineInfo("agentx", __version__, config)
+        config = self.options.engine_config()
+        if config.parallel.dp > 1:
+            from agentx.engine.router import ReplicaRouter
+
+            self.router = await anyio.to_thread.run_sync(ReplicaRouter, config)
+            self.engine = self.router.replicas[0]
+        else:
+            self.engine = await anyio.to_thread.run_sync(Engine, config)
+        self._encode = cached_encode(self.engine.tokenizer.encode)
+        info = {**self.options.describe(), "max_model_len": self.engine.max_model_len}
+        return EngineInfo("agentx", __version__, info)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Done]:
-        from agentx import SamplingParams
+        from agentx import AgentXError, SamplingParams
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        stream = self.engine.stream(
-            request.prompt, sampling, request_id=request.request_id, hints=self.hints_for(request)
-        )
-        async for event in agentx_events(stream):
-            yield event
+        prompt = prompt_token_ids(request.prompt, self._encode)
+        fields = {"request_id": request.request_id, "hints": self.hints_for(request)}
+        try:
+            if self.router is None:
+                stream, engine = self.engine.add_request(prompt, sampling, **fields), self.engine
+            else:
+                replica, stream = self.router.add_request(
+                    prompt, sampling, session_id=request.session_id, **fields
+                )
+                engine = self.router.replicas[replica]
+        except AgentXError as exc:
+            raise BenchEngineError(str(exc)) from exc
+        try:
+            async for event in agentx_events(stream, request.return_ids):
+                yield event
+        finally:
+            if not stream.finished:
+                engine.abort(stream.request_id)
+
+    async def end_session(self, session_id: str) -> None:
+        if self.router is not None:
+            self.router.end_session(session_id)
 
     def hints_for(self, request: GenerateRequest) -> tuple:
         """Hints sent with the request (none here; benchmarks of hint handling override it)."""
         return ()
 
     async def close(self) -> None:
-        if self.engine is not None:
+        if self.router is not None:
+            self.router.close()
+        elif self.engine is not None:
             self.engine.close()
-            self.engine = None
+        self.engine = self.router = None
 
     async def final_stats(self) -> dict | None:
         if self.engine is None:
             return None
-        stats = self.engine.stats()
-        return {**asdict(stats), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}
+        if self.router is not None:
+            return {"replicas": [_stats(e) for e in self.router.replicas]}
+        return _stats(self.engine)
+
+
+def _stats(engine) -> dict:
+    stats = engine.stats()
+    return {**asdict(stats), "prefix_cache_hit_rate": stats.prefix_cache_hit_rate}

@@ -21,6 +21,7 @@ from agentx.bench.adapter import (
     GenerateRequest,
     Tokens,
 )
+from agentx.bench.segments import prompt_token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,19 +73,22 @@ class AgentxVLLMEngine(EngineAdapter):
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         options = RequestOptions(hold_kv=True, held_kv=self._held.pop(request.session_id, None))
-        num_output = 0
         try:
+            tokenizer = getattr(self.engine, "tokenizer", None)
+            prompt = prompt_token_ids(request.prompt, tokenizer and tokenizer.encode)
             stream = self.engine.add_request(
-                request.prompt, sampling, request_id=request.request_id, options=options
+                prompt, sampling, request_id=request.request_id, options=options
             )
+            output: list[int] = []
             try:
                 async for out in stream:
                     if out.new_token_ids:
-                        num_output += len(out.new_token_ids)
+                        output.extend(out.new_token_ids)
                         yield Tokens(len(out.new_token_ids))
                     if out.finished:
                         self._held[request.session_id] = request.request_id
-                        yield Done(num_output, out.num_cached_tokens)
+                        ids = tuple(output) if request.return_ids else None
+                        yield Done(len(output), out.num_cached_tokens, ids)
             finally:
                 if not stream.finished:
                     self.engine.abort(stream.request_id)

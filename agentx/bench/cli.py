@@ -1,14 +1,22 @@
 """``agentx bench`` / ``python -m agentx.bench``: synth, run, compare, saturate, plot.
 
-    agentx bench synth -o trace.jsonl [--sessions 8 --scale 0.05 --max-context 8192 --seed 0]
+    agentx bench synth -o trace.jsonl [--sessions 8 --scale 0.05 --output-scale 0.25
+                                       --max-context 7680 --seed 0]
     agentx bench run [TRACE] [--engine agentx-inproc] [--concurrency 2,8] [--out DIR]
+                             [--prompts text|random] [--loop auto|open|closed]
     agentx bench compare [TRACE] --engines agentx,vllm [--concurrency 2,8] [--out DIR]
     agentx bench saturate TRACE --out DIR [--engines agentx] [--batches 1,4,16]
     agentx bench plot DIR/results.json [--out DIR]
 
-Without TRACE, ``run`` and ``compare`` synthesize the default scaled trace. Results go to
-``DIR/results.json`` (rewritten after every point), ``DIR/results.md`` and ``DIR/*.png``;
-``saturate``'s to ``DIR/saturation.json`` (:mod:`agentx.bench.saturate`), ``.md`` and ``.png``.
+Without TRACE, ``run`` and ``compare`` synthesize the default scaled trace. Prompts are real
+text by default (``--prompts text``: code, tool output and prose from the committed corpus, each
+engine tokenizing it with its own tokenizer) or random token ids (``--prompts random``). With
+``--loop auto`` a synthesized trace (in memory, or a file ``synth`` wrote) replays closed loop in
+text mode (each turn's prompt carries what the engine generated) and a recorded trace open loop
+(:mod:`agentx.bench.closed_loop`).
+Results go to ``DIR/results.json`` (rewritten after every point), ``DIR/results.md`` and
+``DIR/*.png``; ``saturate``'s to ``DIR/saturation.json`` (:mod:`agentx.bench.saturate`), ``.md``
+and ``.png``.
 """
 
 from __future__ import annotations
@@ -20,10 +28,15 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from agentx.bench.engines import PARALLEL_DEGREES
 from agentx.bench.trace import Trace
 
 DEFAULT_SCALE = 0.05
-DEFAULT_MAX_CONTEXT = 8192
+DEFAULT_OUTPUT_SCALE = 0.25  # a median of ~110 output tokens a turn: decode that weighs
+MODEL_CONTEXT = 8192  # SmolLM2's
+# synthesized traces stop 512 tokens short of it: a text prompt tokenizes to its trace length
+# within a few % (agentx/bench/corpus.py), and must still fit
+DEFAULT_MAX_CONTEXT = MODEL_CONTEXT - 512
 
 
 def _add_synth_args(p: argparse.ArgumentParser) -> None:
@@ -37,10 +50,18 @@ def _add_synth_args(p: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_SCALE}: fits SmolLM2's 8K context on a CPU)",
     )
     p.add_argument(
+        "--output-scale",
+        type=float,
+        default=DEFAULT_OUTPUT_SCALE,
+        help=f"output lengths x OUTPUT_SCALE (default {DEFAULT_OUTPUT_SCALE}: a median of ~110 "
+        "tokens a turn; 1 = published)",
+    )
+    p.add_argument(
         "--max-context",
         type=int,
         default=DEFAULT_MAX_CONTEXT,
-        help="an agent stops before a turn that would not fit (default 8192)",
+        help="an agent compacts (or stops) before a turn that would not fit (default "
+        f"{DEFAULT_MAX_CONTEXT}: SmolLM2's 8K less room for text tokenization)",
     )
     p.add_argument(
         "--block-size", type=int, default=64, help="tokens per trace hash id (default 64)"
@@ -52,6 +73,19 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     _add_synth_args(p)
     p.add_argument("--concurrency", default="8", help="comma-separated sweep, e.g. 2,8")
     p.add_argument("--max-think", type=float, default=5.0, help="cap on think time, seconds")
+    p.add_argument(
+        "--prompts",
+        choices=("text", "random"),
+        default="text",
+        help="prompt content: corpus text each engine tokenizes (default) or random token ids",
+    )
+    p.add_argument(
+        "--loop",
+        choices=("auto", "open", "closed"),
+        default="auto",
+        help="closed: a turn's prompt carries the engine's earlier output; auto (default): "
+        "closed for a synthesized trace with text prompts, else open",
+    )
     _add_engine_args(p)
     p.add_argument(
         "--floor",
@@ -84,6 +118,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="agentx's token budget per step, i.e. its prefill chunk (default 2048)",
     )
+    for degree in PARALLEL_DEGREES:
+        p.add_argument(
+            f"--{degree}", type=int, default=1, help=f"agentx's ParallelConfig.{degree} (default 1)"
+        )
 
 
 def _numbers(kind: type, low: float, high: float | None = None):
@@ -142,7 +180,7 @@ def _add_saturate_args(p: argparse.ArgumentParser) -> None:
         help=f"per-request output tokens/s floor (default {d.interactivity_floor:g})",
     )
     p.add_argument(
-        "--max-context", type=int, default=DEFAULT_MAX_CONTEXT, help="the model's context"
+        "--max-context", type=int, default=MODEL_CONTEXT, help="the model's context"
     )
     p.add_argument(
         "--distinct-contexts",
@@ -192,6 +230,7 @@ def synth_trace(args: argparse.Namespace) -> Trace:
             num_sessions=args.sessions,
             seed=args.seed,
             scale=args.scale,
+            output_scale=args.output_scale,
             max_context_tokens=args.max_context,
             block_size=args.block_size,
         )
@@ -204,8 +243,9 @@ def print_stats(trace: Trace) -> dict:
     stats = trace_stats(trace).to_dict()
     print(
         f"{trace.trace_id}: {stats['num_sessions']} sessions, {stats['num_requests']} requests, "
-        f"median {stats['median_turns']:g} turns, median output {stats['median_output_tokens']:g}"
-        f" tokens, max input {stats['max_input_tokens']} tokens, "
+        f"median {stats['median_turns']:g} turns, median input {stats['median_input_tokens']:g}"
+        f" tokens, median output {stats['median_output_tokens']:g} tokens, max input "
+        f"{stats['max_input_tokens']} tokens, "
         f"{stats['subagent_session_fraction']:.0%} of sessions spawn subagents "
         f"(median {stats['median_subagents']:g})\n"
         f"theoretical prefix hit rate {stats['theoretical_hit_rate']:.2%} "
@@ -242,6 +282,7 @@ def make_engines(args: argparse.Namespace, specs: list[str]):
         args.max_num_batched_tokens,
         peer_models,
         args.model is None,
+        {d: getattr(args, d) for d in PARALLEL_DEGREES if getattr(args, d) != 1},
     )
     factories = {eng.engine_name(s): eng.make_engine(s, settings) for s in specs}
     space = eng.token_space_for_model(model) if needs_model else TokenSpace.default()
@@ -250,7 +291,7 @@ def make_engines(args: argparse.Namespace, specs: list[str]):
 
 def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
     from agentx.bench.loader import load_trace
-    from agentx.bench.prompts import PromptBuilder
+    from agentx.bench.prompts import make_prompt_source
     from agentx.bench.results import Results, make_header
     from agentx.bench.sweep import run_sweep
 
@@ -258,6 +299,7 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
     stats = print_stats(trace)
     factories, settings, space = make_engines(args, specs)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    loop = replay_loop(args.loop, args.prompts, synthesized="synth" in trace.meta)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = {
@@ -268,6 +310,8 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
         "floor": args.floor,
         "reference": specs[0],
         "token_space": {"low": space.low, "high": space.high},
+        "prompts": args.prompts,
+        "loop": loop,
     }
     trace_info = {
         "id": trace.trace_id,
@@ -288,12 +332,21 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
         trace,
         factories,
         concurrencies,
-        PromptBuilder(trace.block_size, space),
+        make_prompt_source(args.prompts, trace.block_size, space),
         args.max_think,
         not args.no_progress,
         save,
+        loop,
     )
     return _render(Results(header, tuple(runs)), out, args.floor, not args.no_plots)
+
+
+def replay_loop(loop: str, prompts: str, synthesized: bool) -> str:
+    """``--loop auto``: closed for a synthesized trace in text mode (a real agent's prompts
+    carry its model's output), open for a recorded trace or random ids."""
+    if loop != "auto":
+        return loop
+    return "closed" if synthesized and prompts == "text" else "open"
 
 
 def _render(results, out: Path, floor: float, plots: bool) -> int:

@@ -14,7 +14,9 @@ One session is one JSON object::
 A file holds one session (``.json``), a list of sessions (``.json``) or one session per line
 (``.jsonl``). ``hash_id_scope: "local"`` (the default) means ids are private to their session
 (the same number in two sessions is different text); ``"global"`` shares them across the file.
-Unknown fields are ignored; a missing ``think_time`` reads as 0.
+Unknown fields are ignored; a missing ``think_time`` reads as 0. A trace written by ``agentx
+bench synth`` carries its :class:`~agentx.bench.synth.SynthConfig` as ``"synth"`` in every session
+(read back into ``Trace.meta["synth"]``: such a trace replays closed loop by default).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def load_agentx(path: str | Path) -> Trace:
     if len(set(ids)) != len(ids):
         raise TraceError(f"{path}: duplicate session ids")
     trace_id = sessions[0].session_id if len(sessions) == 1 else path.stem
-    return Trace(trace_id, block_sizes.pop(), tuple(sessions), "agentx")
+    synth = [obj.get("synth") for _, obj in objects]
+    meta = {"synth": synth[0]} if all(isinstance(x, dict) for x in synth) else {}
+    return Trace(trace_id, block_sizes.pop(), tuple(sessions), "agentx", meta)
 
 
 def _read_objects(path: Path):
@@ -136,6 +140,8 @@ def dump_agentx(trace: Trace, path: str | Path) -> None:
     """Write one session per line (``.jsonl``) or a list of sessions (``.json``)."""
     path = Path(path)
     objects = [session_to_json(s, trace.block_size) for s in trace.sessions]
+    if "synth" in trace.meta:
+        objects = [{**o, "synth": trace.meta["synth"]} for o in objects]
     if path.suffix == ".jsonl":
         path.write_text("".join(json.dumps(o, separators=(",", ":")) + "\n" for o in objects))
     else:

@@ -6,7 +6,8 @@ Every engine (agentx, vLLM, llama.cpp, transformers) runs as a worker launched a
 
 Driver -> worker, on stdin, one JSON object per line::
 
-    {"op": "generate", "id": str, "session": str, "prompt": [int, ...], "max_tokens": int}
+    {"op": "generate", "id": str, "session": str, "prompt": [int, ...], "max_tokens": int,
+     "return_ids"?: bool}
     {"op": "end_session", "session": str}
     {"op": "shutdown"}
 
@@ -15,14 +16,17 @@ Worker -> driver, on stdout, one JSON object per line (logs go to stderr)::
     {"ev": "ready", "engine": str, "version": str, "config": {...}}   once, after the model loaded
     {"ev": "tokens", "id": str, "n": int}        n new output tokens since the last event for
                                                  this id, sent as soon as they are produced
-    {"ev": "done", "id": str, "num_output": int, "num_cached": int | null}
-                                                 num_cached: prompt tokens reused from the
-                                                 engine's cache, when known
+    {"ev": "done", "id": str, "num_output": int, "num_cached": int | null,
+     "token_ids"?: [int, ...]}                   num_cached: prompt tokens reused from the
+                                                 engine's cache, when known; token_ids: the
+                                                 output, when the op had "return_ids"
     {"ev": "error", "id": str | null, "message": str}
 
-Generation is greedy, ignores EOS and produces exactly ``max_tokens`` output tokens. A worker
-accepts new ``generate`` lines while others run (it may process them serially). The driver
-timestamps events on receipt (``time.perf_counter``). After ``shutdown`` the worker exits.
+Prompts travel as token ids: the driver's adapter tokenizes text prompts with the tokenizer of
+the worker's model (:mod:`agentx.bench.worker_engine`). Generation is greedy, ignores EOS and
+produces exactly ``max_tokens`` output tokens. A worker accepts new ``generate`` lines while
+others run (it may process them serially). The driver timestamps events on receipt
+(``time.perf_counter``). After ``shutdown`` the worker exits.
 
 This module only encodes and decodes the lines; it holds no state.
 """
@@ -41,16 +45,19 @@ def encode(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
 
-def generate_op(request_id: str, session: str, prompt: list[int], max_tokens: int) -> bytes:
-    return encode(
-        {
-            "op": "generate",
-            "id": request_id,
-            "session": session,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-        }
-    )
+def generate_op(
+    request_id: str, session: str, prompt: list[int], max_tokens: int, return_ids: bool = False
+) -> bytes:
+    op = {
+        "op": "generate",
+        "id": request_id,
+        "session": session,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+    }
+    if return_ids:
+        op["return_ids"] = True
+    return encode(op)
 
 
 def end_session_op(session: str) -> bytes:
@@ -69,10 +76,16 @@ def tokens_ev(request_id: str, n: int) -> bytes:
     return encode({"ev": "tokens", "id": request_id, "n": n})
 
 
-def done_ev(request_id: str, num_output: int, num_cached: int | None) -> bytes:
-    return encode(
-        {"ev": "done", "id": request_id, "num_output": num_output, "num_cached": num_cached}
-    )
+def done_ev(
+    request_id: str,
+    num_output: int,
+    num_cached: int | None,
+    token_ids: tuple[int, ...] | list[int] | None = None,
+) -> bytes:
+    ev = {"ev": "done", "id": request_id, "num_output": num_output, "num_cached": num_cached}
+    if token_ids is not None:
+        ev["token_ids"] = list(token_ids)
+    return encode(ev)
 
 
 def error_ev(request_id: str | None, message: str) -> bytes:

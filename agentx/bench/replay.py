@@ -7,6 +7,10 @@ Rules:
   ``max_think``). A run of consecutive subagents starts together, and the parent's next step
   waits until all of them finished; subagents nest.
 - Every request asks for exactly its trace's output length (greedy, EOS ignored).
+- Prompts come from a :class:`~agentx.bench.prompts.PromptSource` (text or random ids). In
+  ``loop="closed"`` a turn that extends its agent's previous turn is sent as that prompt, the
+  ids the engine generated, then the new text (:mod:`agentx.bench.closed_loop`); an engine that
+  returns no ids fails the request. ``loop="open"`` builds every prompt from its hash ids.
 - When a session tree is finished, ``end_session`` is sent for each of its agents.
 - ``stop()`` (Ctrl-C) starts no new request, cancels what is running and returns what was
   measured so far, marked ``interrupted``. A failed request is recorded with its error.
@@ -26,8 +30,10 @@ from agentx.bench.adapter import (
     GenerateRequest,
     Tokens,
 )
-from agentx.bench.prompts import PromptBuilder
+from agentx.bench.closed_loop import AgentContext
+from agentx.bench.prompts import PromptBuilder, PromptSource
 from agentx.bench.records import RequestRecord, RunResult
+from agentx.bench.segments import Prompt
 from agentx.bench.trace import SessionTrace, Step, Subagent, Trace, TraceRequest, group_steps
 from agentx.bench.trace_stats import HitCounter
 from agentx.errors import ConfigError
@@ -38,8 +44,11 @@ class ReplayConfig:
     concurrency: int = 8
     max_think: float = 5.0  # seconds; 0 replays back to back
     progress: bool = True
+    loop: str = "open"  # "closed": a turn's prompt carries the engine's earlier output
 
     def __post_init__(self) -> None:
+        if self.loop not in ("open", "closed"):
+            raise ConfigError(f"loop must be 'open' or 'closed', got {self.loop!r}")
         if self.concurrency <= 0:
             raise ConfigError(f"concurrency must be positive, got {self.concurrency}")
         if self.max_think < 0:
@@ -52,7 +61,7 @@ class Replay:
         trace: Trace,
         adapter: EngineAdapter,
         config: ReplayConfig | None = None,
-        prompts: PromptBuilder | None = None,
+        prompts: PromptSource | None = None,
     ) -> None:
         self.trace, self.adapter = trace, adapter
         self.config = config or ReplayConfig()
@@ -107,7 +116,9 @@ class Replay:
 
         async def one(session: SessionTrace) -> None:
             try:
-                await self._run_agent(session, session.session_id, session.steps)
+                await self._run_agent(
+                    session, session.session_id, session.steps, self._new_context()
+                )
                 for agent_id in _agent_ids(session):
                     try:
                         await self.adapter.end_session(agent_id)
@@ -126,34 +137,73 @@ class Replay:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_agent(self, session: SessionTrace, agent_id: str, steps: tuple[Step, ...]):
+    def _new_context(self) -> AgentContext | None:
+        return AgentContext() if self.config.loop == "closed" else None
+
+    async def _run_agent(
+        self,
+        session: SessionTrace,
+        agent_id: str,
+        steps: tuple[Step, ...],
+        context: AgentContext | None,
+    ):
         for step in group_steps(steps):
-            if isinstance(step, tuple):
+            if isinstance(step, tuple):  # subagents fork the parent's context at the spawn
                 await asyncio.gather(
-                    *(self._run_agent(session, f"{agent_id}/{s.agent_id}", s.steps) for s in step)
+                    *(
+                        self._run_agent(
+                            session, f"{agent_id}/{s.agent_id}", s.steps, context and context.fork()
+                        )
+                        for s in step
+                    )
                 )
             else:
                 if step.think_time > 0 and self.config.max_think > 0:
                     await asyncio.sleep(min(step.think_time, self.config.max_think))
-                await self._run_request(session, agent_id, step)
+                await self._run_request(session, agent_id, step, context)
 
-    async def _run_request(self, session: SessionTrace, agent_id: str, request: TraceRequest):
+    def _prompt(
+        self,
+        session: SessionTrace,
+        request: TraceRequest,
+        request_id: str,
+        context: AgentContext | None,
+    ) -> Prompt:
+        if context is not None:
+            return context.prompt_for(request, self.prompts, session.scope, request_id)
+        n = request.num_input_tokens
+        return Prompt((self.prompts.segment(session.scope, request.hash_ids, n, request_id),))
+
+    async def _run_request(
+        self,
+        session: SessionTrace,
+        agent_id: str,
+        request: TraceRequest,
+        context: AgentContext | None,
+    ):
         index = self._counts[agent_id] = self._counts.get(agent_id, -1) + 1
         request_id = f"{agent_id}#{index}"
-        prompt = self.prompts.prompt(
-            session.scope, request.hash_ids, request.num_input_tokens, filler_key=request_id
+        prompt = self._prompt(session, request, request_id, context)
+        generate = GenerateRequest(
+            request_id, agent_id, prompt, request.num_output_tokens, context is not None
         )
-        generate = GenerateRequest(request_id, agent_id, prompt, request.num_output_tokens)
         now = self._now
-        submit, times, cached, error = now(), [], None, None
+        submit, times, cached, error, output = now(), [], None, None, None
         try:
             async for event in self.adapter.generate(generate):
                 if isinstance(event, Tokens):
                     times.extend([now()] * event.n)
                 elif isinstance(event, Done):
-                    cached = event.num_cached
+                    cached, output = event.num_cached, event.token_ids
         except Exception as exc:  # noqa: BLE001 - a failed request is a measurement too
             error = f"{type(exc).__name__}: {exc}"
+        if context is not None:
+            if error is None and output is None:
+                error = "closed loop: the engine returned no output token ids"
+            if error is None:
+                context.complete(request, prompt, output)
+            else:
+                context.reset()
         self.records.append(
             RequestRecord(
                 request_id=request_id,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from agentx.bench.adapter import EngineAdapter
-from agentx.bench.prompts import PromptBuilder
+from agentx.bench.prompts import PromptSource
 from agentx.bench.records import RunResult
 from agentx.bench.replay import Replay, ReplayConfig
 from agentx.bench.trace import Trace
@@ -40,7 +40,7 @@ async def run_point(
     factory: Callable[[], EngineAdapter],
     trace: Trace,
     config: ReplayConfig,
-    prompts: PromptBuilder,
+    prompts: PromptSource,
 ) -> RunResult:
     """Start a fresh engine, replay the trace once, close it. Ctrl-C ends the replay early."""
     adapter = factory()
@@ -70,16 +70,17 @@ def run_sweep(
     trace: Trace,
     factories: dict[str, Callable[[], EngineAdapter]],
     concurrencies: Sequence[int],
-    prompts: PromptBuilder,
+    prompts: PromptSource,
     max_think: float,
     progress: bool = True,
     on_result: Callable[[RunResult], None] | None = None,
+    loop: str = "open",
 ) -> list[RunResult]:
     results = []
     for point in plan(list(factories), concurrencies):
         if progress:
             print(f"[bench] {point.engine} at concurrency {point.concurrency}", file=sys.stderr)
-        config = ReplayConfig(point.concurrency, max_think, progress)
+        config = ReplayConfig(point.concurrency, max_think, progress, loop)
         result = asyncio.run(run_point(factories[point.engine], trace, config, prompts))
         result = _named(result, point.engine)
         results.append(result)

@@ -62,6 +62,7 @@ class TraceStats:
     num_output_tokens: int
     theoretical_hit_tokens: int
     median_turns: float  # model requests of the root agent, per session
+    median_input_tokens: float  # per request, subagents' included
     median_output_tokens: float
     max_input_tokens: int
     subagent_session_fraction: float  # sessions that spawn at least one subagent
@@ -90,6 +91,7 @@ def trace_stats(trace: Trace) -> TraceStats:
         num_output_tokens=sum(r.num_output_tokens for r in requests),
         theoretical_hit_tokens=sum(theoretical_hits(trace)),
         median_turns=_median(turns),
+        median_input_tokens=_median([r.num_input_tokens for r in requests]),
         median_output_tokens=_median([r.num_output_tokens for r in requests]),
         max_input_tokens=max((r.num_input_tokens for r in requests), default=0),
         subagent_session_fraction=len(with_subagents) / len(spawns) if spawns else 0.0,

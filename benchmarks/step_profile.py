@@ -173,7 +173,9 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--decoders", type=int, default=8, help="requests decoding")
     parser.add_argument(
-        "--speculative", choices=("on", "off"), default="off",
+        "--speculative",
+        choices=("on", "off"),
+        default="off",
         help="drafting (off by default: a step of drafts is neither kind below)",
     )
     args = parser.parse_args()

@@ -179,9 +179,7 @@ def _add_saturate_args(p: argparse.ArgumentParser) -> None:
         default=d.interactivity_floor,
         help=f"per-request output tokens/s floor (default {d.interactivity_floor:g})",
     )
-    p.add_argument(
-        "--max-context", type=int, default=MODEL_CONTEXT, help="the model's context"
-    )
+    p.add_argument("--max-context", type=int, default=MODEL_CONTEXT, help="the model's context")
     p.add_argument(
         "--distinct-contexts",
         action="store_true",

@@ -1,4 +1,5 @@
-"""The ``agentx`` console script: ``agentx bench ...`` and ``agentx serve ...``.
+"""The ``agentx`` console script: ``agentx bench ...``, ``agentx serve ...`` and
+``agentx models {list,pull}``.
 
 Each command's module is imported only when it runs, so ``agentx bench`` needs no server
 packages and ``agentx serve`` (the ``serve`` extra) loads no benchmark code.
@@ -8,7 +9,10 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: agentx {bench,serve} ...  (agentx bench --help, agentx serve --help)"
+USAGE = (
+    "usage: agentx {bench,serve,models} ...  "
+    "(agentx bench --help, agentx serve --help, agentx models --help)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from agentx.openai.server import serve_main
 
         return serve_main(rest)
+    if command == "models":
+        from agentx.model_store import models_main
+
+        return models_main(rest)
     print(USAGE, file=sys.stderr)
     return 2
 

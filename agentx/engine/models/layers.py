@@ -26,6 +26,7 @@ from agentx import kernels
 from agentx.engine.models.quant import KQuantTensor, QuantizedTensor
 from agentx.engine.models.spec import RopeScaling
 from agentx.engine.parallel import ParallelState
+from agentx.kernels.ref import kquant
 
 
 def _weight(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Parameter:
@@ -224,6 +225,12 @@ class RowParallelLinear(QuantizableLinear):
 
 
 class VocabParallelEmbedding(nn.Module):
+    """Token rows of the vocabulary shard of this rank. A K-quant table at one rank stays in
+    its blocks (``qweight``, ``kind``): the looked-up rows are dequantized per call, the same
+    floats the whole table would give."""
+
+    kind: int = 0  # a GGML K-quant type when the table is kept as blocks
+
     def __init__(
         self,
         vocab_size: int,
@@ -233,6 +240,7 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.dtype = dtype
         self.shard_size = -(-vocab_size // parallel.tp_size)
         self.vocab_start = parallel.tp_rank * self.shard_size
         self.weight = nn.Parameter(
@@ -240,12 +248,21 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def load(self, name: str, full: torch.Tensor | _Quantized, part: int = 0) -> None:
+        if isinstance(full, KQuantTensor) and self.parallel.tp_size == 1:
+            del self.weight
+            self.register_buffer("qweight", full.data.contiguous())
+            self.kind = full.kind
+            return
         if isinstance(full, _Quantized):  # an embedding is looked up, never multiplied
             full = full.dequantize(self.weight.dtype)
         rows = full[self.vocab_start : self.vocab_start + self.shard_size]
         self.weight.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.kind:
+            rows = self.qweight[token_ids.reshape(-1)]  # (T, row bytes)
+            out = kquant.dequantize(rows, self.kind).to(self.dtype)
+            return out.reshape(*token_ids.shape, -1)
         if self.parallel.tp_size == 1:
             return nn.functional.embedding(token_ids, self.weight)
         local = token_ids - self.vocab_start

@@ -79,7 +79,7 @@ def unpack(qweight: torch.Tensor, kind: int) -> dict[str, torch.Tensor]:
         ql = blocks[..., 0:128].reshape(n, -1, 2, 1, 64)  # (N, B, h, 1, 64)
         ql = torch.cat((ql & 0xF, ql >> 4), dim=3).reshape(n, -1, 2, 4, 32)  # (N, B, h, t, 32)
         qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qweight.device).reshape(4, 1)
         qh = (qh >> shifts) & 3  # (N, B, h, t, 32)
         q = (ql | (qh << 4)).reshape(n, -1, BLOCK)
         sc = blocks[..., 192:208].contiguous().view(torch.int8).long()

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from agentx.engine.models.layers import MIXED, ColumnParallelLinear
+from agentx.engine.models.layers import MIXED, ColumnParallelLinear, RowParallelLinear
 from agentx.engine.models.quant import KQuantTensor
 from agentx.engine.parallel import ParallelState
 from agentx.kernels import cpu
@@ -175,3 +175,12 @@ def test_linear_dequantizes_without_kernels_or_in_mode_none(mode, ready):
 
 def _isas() -> list[str]:
     return ["avx2", "avx512"] if cpu.has_avx512() else ["avx2"]
+
+
+def test_row_parallel_shard_that_splits_a_block_keeps_floats():
+    weight = KQuantTensor(random_blocks(16, 1024, kquant.Q4_K), kquant.Q4_K)
+    layer = RowParallelLinear(1024, 16, ParallelState(1, 2), shard=(384, 384))
+    layer.load("weight", weight)
+    layer.finalize_weights("auto", kernels_ready=True)
+    assert layer.bits == 0
+    assert torch.equal(layer.weight, weight.dequantize()[:, 384:768])

@@ -218,7 +218,11 @@ class RowParallelLinear(QuantizableLinear):
         self._init_quant(1)
 
     def load(self, name: str, full: torch.Tensor | _Quantized, part: int = 0) -> None:
-        self._load_part(0, 0, full.narrow(1, *self.shard))
+        try:
+            shard = full.narrow(1, *self.shard)
+        except ValueError:  # the shard splits a quantized group or block: it keeps floats
+            shard = full.dequantize(self.weight.dtype).narrow(1, *self.shard)
+        self._load_part(0, 0, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.parallel.all_reduce(self._matmul(x))

@@ -254,7 +254,7 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, name: str, full: torch.Tensor | _Quantized, part: int = 0) -> None:
         if isinstance(full, KQuantTensor) and self.parallel.tp_size == 1:
             del self.weight
-            self.register_buffer("qweight", full.data.contiguous())
+            self.register_buffer("qweight", full.data.clone())  # a copy: never the mmapped file
             self.kind = full.kind
             return
         if isinstance(full, _Quantized):  # an embedding is looked up, never multiplied

@@ -68,113 +68,6 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* dx, 
   });
 }
 
-// S1 (sum_j sc_j q_j . x_j) of one Q4_K block against R rows' xq at this block.
-template <int R>
-inline void dot_q4k(const uint8_t* qs, const int16_t* sc, const int8_t* const* x, int32_t* s1) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256i acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-  for (int c = 0; c < 4; ++c) {
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-    const __m256i lo = _mm256_and_si256(packed, low);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-    const __m256i sl = _mm256_set1_epi16(sc[2 * c]), sh = _mm256_set1_epi16(sc[2 * c + 1]);
-    for (int r = 0; r < R; ++r) {
-      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * c));
-      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * c + 32));
-      // pairs <= 2 * 15 * 127 in 16 bits; times sc <= 63 and summed: far from int32's range
-      const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), sl);
-      const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), sh);
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(pl, ph));
-    }
-  }
-  for (int r = 0; r < R; ++r) s1[r] = hsum(acc[r]);
-}
-
-// sum_j sc_j q_j . x_j (q unsigned 0..63, the -32 applied by the caller) of one Q6_K block.
-template <int R>
-inline void dot_q6k(const uint8_t* blk, const int8_t* sc, const int8_t* const* x, int32_t* s) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i two = _mm256_set1_epi8(0x03), mid = _mm256_set1_epi8(0x0C);
-  const __m256i top = _mm256_set1_epi8(0x30);
-  __m256i acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* ql = blk + 64 * h;
-    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-    __m256i q[4];
-    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low),
-                           _mm256_slli_epi16(_mm256_and_si256(qh, two), 4));
-    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low),
-                           _mm256_slli_epi16(_mm256_and_si256(qh, mid), 2));
-    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                           _mm256_and_si256(qh, top));
-    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
-    for (int t = 0; t < 4; ++t) {
-      const int c = 4 * h + t;  // chunk of 32: sub-blocks 2c, 2c + 1 (16 features each)
-      const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 32 * c));
-        // pairs <= 2 * 63 * 127 < 2^15
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], xv), scv));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) s[r] = hsum(acc[r]);
-}
-
-// Columns [n0, n1) of R rows starting at row r0; y row r at y + r * ldy.
-template <int R>
-void columns_q4k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Rows& a,
-                 int64_t r0, float* y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; ++n) {
-    float acc[R] = {};
-    const uint8_t* blk = w + n * row_bytes;
-    for (int64_t b = 0; b < a.blocks; ++b, blk += kquant::kQ4KBytes) {
-      const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));
-      const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2));
-      int16_t sc[8], mn[8];
-      kquant::q4k_scales(blk + 4, sc, mn);
-      const int8_t* x[R];
-      for (int r = 0; r < R; ++r) x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
-      int32_t s1[R];
-      dot_q4k<R>(blk + 16, sc, x, s1);
-      for (int r = 0; r < R; ++r) {
-        const int64_t rb = (r0 + r) * a.blocks + b;
-        const int32_t s2 = kquant::q4k_min_sum(mn, a.sums + rb * 16);
-        acc[r] = kquant::q4k_step(acc[r], a.dx[rb], d, dmin, s1[r], s2);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
-  }
-}
-
-template <int R>
-void columns_q6k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Rows& a,
-                 int64_t r0, float* y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; ++n) {
-    float acc[R] = {};
-    const uint8_t* blk = w + n * row_bytes;
-    for (int64_t b = 0; b < a.blocks; ++b, blk += kquant::kQ6KBytes) {
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-      const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 208));
-      const int8_t* x[R];
-      for (int r = 0; r < R; ++r) x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
-      int32_t s[R];
-      dot_q6k<R>(blk, sc, x, s);
-      for (int r = 0; r < R; ++r) {
-        const int64_t rb = (r0 + r) * a.blocks + b;
-        const int32_t off = kquant::q6k_offset_sum(sc, a.sums + rb * 16);
-        acc[r] = kquant::q6k_step(acc[r], a.dx[rb], d, s[r] - 32 * off);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
-  }
-}
-
 // 8 vectors of 8 int32 -> one vector whose lane c is the sum of v[c] (exact in any order).
 inline __m256i reduce8(const __m256i* v) {
   const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
@@ -337,6 +230,57 @@ void group_q6k(const uint8_t* w, int64_t row_bytes, int64_t n, const Rows& a, in
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + n, acc[r]);
+}
+
+// Columns [n0, n1) of R rows starting at row r0, one column at a time; y row r at y + r * ldy.
+template <int R>
+void columns_q4k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Rows& a,
+                 int64_t r0, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[R] = {};
+    const uint8_t* blk = w + n * row_bytes;
+    for (int64_t b = 0; b < a.blocks; ++b, blk += kquant::kQ4KBytes) {
+      const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));
+      const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2));
+      const int8_t* x[R];
+      const int16_t* sums[R];
+      for (int r = 0; r < R; ++r) {
+        x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
+        sums[r] = a.sums + ((r0 + r) * a.blocks + b) * 16;
+      }
+      __m256i v1[R], v2[R];
+      block_q4k<R>(blk, x, sums, v1, v2);
+      for (int r = 0; r < R; ++r) {
+        const float dx = a.dx[(r0 + r) * a.blocks + b];
+        acc[r] = kquant::q4k_step(acc[r], dx, d, dmin, hsum(v1[r]), hsum(v2[r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
+  }
+}
+
+template <int R>
+void columns_q6k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Rows& a,
+                 int64_t r0, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[R] = {};
+    const uint8_t* blk = w + n * row_bytes;
+    for (int64_t b = 0; b < a.blocks; ++b, blk += kquant::kQ6KBytes) {
+      const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 208));
+      const int8_t* x[R];
+      const int16_t* sums[R];
+      for (int r = 0; r < R; ++r) {
+        x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
+        sums[r] = a.sums + ((r0 + r) * a.blocks + b) * 16;
+      }
+      __m256i v[R];
+      block_q6k<R>(blk, x, sums, v);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = kquant::q6k_step(acc[r], a.dx[(r0 + r) * a.blocks + b], d, hsum(v[r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
+  }
 }
 
 template <int R>

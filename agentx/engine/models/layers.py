@@ -285,8 +285,8 @@ class ParallelLMHead(QuantizableLinear):
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // parallel.tp_size)
         self.vocab_start = parallel.tp_rank * self.shard_size
+        # not zeroed here: a quantized head never touches these ~vocab x hidden floats
         self.weight = _weight(self.shard_size, hidden_size, dtype)
-        self.weight.data.zero_()
         self.bias = None
         self._init_quant(1)
 
@@ -296,6 +296,8 @@ class ParallelLMHead(QuantizableLinear):
         )
         if isinstance(rows, _Quantized) and rows.shape[0] < self.shard_size:
             rows = rows.dequantize(self.weight.dtype)  # a padded last shard stays float
+        if not isinstance(rows, _Quantized):
+            self.weight.data[rows.shape[0] :].zero_()  # the padded vocabulary rows
         self._load_part(0, 0, rows)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

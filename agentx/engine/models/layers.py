@@ -7,9 +7,12 @@ Each layer owns only its shard and knows how to cut its shard out of a full chec
     RowParallelLinear      input features split; partial outputs all-reduced
     VocabParallelEmbedding vocabulary rows split; lookups outside the shard give zeros, summed
 
-Linear layers accept float or :class:`QuantizedTensor` checkpoint tensors; after loading,
-``finalize_weights(mode)`` fixes how the weight is kept (see ``quant.py``): a quantized layer
-drops its float ``weight`` for packed ``qweight`` / ``qscale`` / ``qmin`` buffers.
+Linear layers accept float, :class:`QuantizedTensor` or :class:`KQuantTensor` checkpoint
+tensors; after loading, ``finalize_weights(mode)`` fixes how the weight is kept (see
+``quant.py``): a quantized layer drops its float ``weight`` for packed ``qweight`` / ``qscale``
+/ ``qmin`` buffers (``bits`` 4 or 8), or the file's K-quant blocks as ``qweight`` (``bits`` the
+GGML type id), or, when its fused parts came in different K-quant types, one ``qweight_<i>``
+a run of parts of one type (``bits`` ``MIXED``, ``segment_kinds`` their types).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import torch
 from torch import nn
 
 from agentx import kernels
-from agentx.engine.models.quant import QuantizedTensor
+from agentx.engine.models.quant import KQuantTensor, QuantizedTensor
 from agentx.engine.models.spec import RopeScaling
 from agentx.engine.parallel import ParallelState
+from agentx.kernels.ref import kquant
 
 
 def _weight(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Parameter:
@@ -37,6 +41,10 @@ def _weight(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Param
         return nn.Parameter(row_major, requires_grad=False)
     storage = torch.empty(in_features, out_features, dtype=dtype)
     return nn.Parameter(storage.t(), requires_grad=False)
+
+
+MIXED = -1  # QuantizableLinear.bits of a layer kept as several K-quant runs
+_Quantized = QuantizedTensor | KQuantTensor
 
 
 def even_shard(size: int, parallel: ParallelState) -> tuple[int, int]:
@@ -54,14 +62,15 @@ class QuantizableLinear(nn.Module):
 
     weight: nn.Parameter
     bias: nn.Parameter | None
-    bits: int = 0  # 0: float weight; 4 / 8: packed quantized weight
+    bits: int = 0  # 0: float weight; 4 / 8: packed; a GGML K-quant type id; MIXED
+    segment_kinds: tuple[int, ...] = ()
 
     def _init_quant(self, num_parts: int) -> None:
         self.num_parts = num_parts
-        self._quant_parts: dict[int, QuantizedTensor] = {}
+        self._quant_parts: dict[int, _Quantized] = {}
 
-    def _load_part(self, part: int, offset: int, shard: torch.Tensor | QuantizedTensor) -> None:
-        if isinstance(shard, QuantizedTensor):
+    def _load_part(self, part: int, offset: int, shard: torch.Tensor | _Quantized) -> None:
+        if isinstance(shard, _Quantized):
             self._quant_parts[part] = shard
             return
         self.weight.data.narrow(0, offset, shard.shape[0]).copy_(shard)
@@ -73,10 +82,17 @@ class QuantizableLinear(nn.Module):
         """Decide once how the weight is kept (module docstring of ``quant.py``)."""
         parts, self._quant_parts = self._quant_parts, {}
         out_features, in_features = self.weight.shape
+        whole = len(parts) == self.num_parts
+        ordered = [parts[i] for i in range(self.num_parts)] if whole else []
+        if mode != "none" and kernels_ready and ordered:
+            if all(isinstance(p, KQuantTensor) for p in ordered):
+                self._keep_kquant(ordered)
+                return
         tiles = out_features % 8 == 0 and in_features % 32 == 0
-        whole = len(parts) == self.num_parts and len({p.bits for p in parts.values()}) == 1
-        if mode != "none" and tiles and whole and (kernels_ready or mode != "auto"):
-            self._pack(QuantizedTensor.cat([parts[i] for i in range(self.num_parts)]))
+        same = whole and all(isinstance(p, QuantizedTensor) for p in ordered)
+        same = same and len({p.bits for p in ordered}) == 1
+        if mode != "none" and tiles and same and (kernels_ready or mode != "auto"):
+            self._pack(QuantizedTensor.cat(ordered))
             return
         offsets = self._part_offsets()
         for part, quantized in parts.items():
@@ -95,12 +111,49 @@ class QuantizableLinear(nn.Module):
         self.register_buffer("qmin", mins)
         self.bits = quantized.bits
 
+    def _keep_kquant(self, parts: list[KQuantTensor]) -> None:
+        """The file's blocks as they are: one buffer a run of parts of one type."""
+        runs: list[list[KQuantTensor]] = []
+        for part in parts:
+            if runs and runs[-1][0].kind == part.kind:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        self.in_features = parts[0].shape[1]
+        del self.weight
+        empty = torch.empty(0)
+        self.register_buffer("qscale", empty)  # unused by K-quant kernels; kept for the fused op
+        self.register_buffer("qmin", empty)
+        kept = [KQuantTensor.cat(run) for run in runs]
+        if len(kept) == 1:
+            self.register_buffer("qweight", kept[0].data)
+            self.bits = kept[0].kind
+            return
+        for i, run in enumerate(kept):
+            self.register_buffer(f"qweight_{i}", run.data)
+        self.segment_kinds = tuple(run.kind for run in kept)
+        self.bits = MIXED
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.bits:
             return nn.functional.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).float()
         bias = None if self.bias is None else self.bias.float()
-        y = kernels.quantized_linear(rows, self.qweight, self.qscale, self.qmin, bias, self.bits)
+        if self.bits == MIXED:
+            y = torch.cat(
+                [
+                    kernels.quantized_linear(
+                        rows, getattr(self, f"qweight_{i}"), self.qscale, self.qmin, None, kind
+                    )
+                    for i, kind in enumerate(self.segment_kinds)
+                ],
+                dim=-1,
+            )
+            y = y if bias is None else y + bias
+        else:
+            y = kernels.quantized_linear(
+                rows, self.qweight, self.qscale, self.qmin, bias, self.bits
+            )
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
@@ -133,7 +186,7 @@ class ColumnParallelLinear(QuantizableLinear):
     def _part_offsets(self) -> list[int]:
         return [sum(self.output_sizes[:part]) for part in range(len(self.output_sizes))]
 
-    def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
+    def load(self, name: str, full: torch.Tensor | _Quantized, part: int = 0) -> None:
         offset = self._part_offsets()[part]
         start, length = self.shards[part]
         if name == "weight":
@@ -164,14 +217,24 @@ class RowParallelLinear(QuantizableLinear):
         self.bias = None
         self._init_quant(1)
 
-    def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
-        self._load_part(0, 0, full.narrow(1, *self.shard))
+    def load(self, name: str, full: torch.Tensor | _Quantized, part: int = 0) -> None:
+        try:
+            shard = full.narrow(1, *self.shard)
+        except ValueError:  # the shard splits a quantized group or block: it keeps floats
+            shard = full.dequantize(self.weight.dtype).narrow(1, *self.shard)
+        self._load_part(0, 0, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.parallel.all_reduce(self._matmul(x))
 
 
 class VocabParallelEmbedding(nn.Module):
+    """Token rows of the vocabulary shard of this rank. A K-quant table at one rank stays in
+    its blocks (``qweight``, ``kind``): the looked-up rows are dequantized per call, the same
+    floats the whole table would give."""
+
+    kind: int = 0  # a GGML K-quant type when the table is kept as blocks
+
     def __init__(
         self,
         vocab_size: int,
@@ -181,19 +244,29 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.dtype = dtype
         self.shard_size = -(-vocab_size // parallel.tp_size)
         self.vocab_start = parallel.tp_rank * self.shard_size
         self.weight = nn.Parameter(
             torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False
         )
 
-    def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
-        if isinstance(full, QuantizedTensor):  # an embedding is looked up, never multiplied
+    def load(self, name: str, full: torch.Tensor | _Quantized, part: int = 0) -> None:
+        if isinstance(full, KQuantTensor) and self.parallel.tp_size == 1:
+            del self.weight
+            self.register_buffer("qweight", full.data.clone())  # a copy: never the mmapped file
+            self.kind = full.kind
+            return
+        if isinstance(full, _Quantized):  # an embedding is looked up, never multiplied
             full = full.dequantize(self.weight.dtype)
         rows = full[self.vocab_start : self.vocab_start + self.shard_size]
         self.weight.data[: rows.shape[0]].copy_(rows)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.kind:
+            rows = self.qweight[token_ids.reshape(-1)]  # (T, row bytes)
+            out = kquant.dequantize(rows, self.kind).to(self.dtype)
+            return out.reshape(*token_ids.shape, -1)
         if self.parallel.tp_size == 1:
             return nn.functional.embedding(token_ids, self.weight)
         local = token_ids - self.vocab_start
@@ -212,17 +285,19 @@ class ParallelLMHead(QuantizableLinear):
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // parallel.tp_size)
         self.vocab_start = parallel.tp_rank * self.shard_size
+        # not zeroed here: a quantized head never touches these ~vocab x hidden floats
         self.weight = _weight(self.shard_size, hidden_size, dtype)
-        self.weight.data.zero_()
         self.bias = None
         self._init_quant(1)
 
-    def load(self, name: str, full: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
+    def load(self, name: str, full: torch.Tensor | _Quantized, part: int = 0) -> None:
         rows = full.narrow(
             0, self.vocab_start, min(self.shard_size, full.shape[0] - self.vocab_start)
         )
-        if isinstance(rows, QuantizedTensor) and rows.shape[0] < self.shard_size:
+        if isinstance(rows, _Quantized) and rows.shape[0] < self.shard_size:
             rows = rows.dequantize(self.weight.dtype)  # a padded last shard stays float
+        if not isinstance(rows, _Quantized):
+            self.weight.data[rows.shape[0] :].zero_()  # the padded vocabulary rows
         self._load_part(0, 0, rows)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

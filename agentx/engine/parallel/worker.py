@@ -136,7 +136,7 @@ def _start(spec: WorkerSpec) -> ModelRunner:
     )
     parallel = rank_state(config, spec.rank)
     checkpoint = load_checkpoint(
-        config.model, DTYPES[config.dtype], keep_quantized=config.quantization != "none"
+        config.model_path, DTYPES[config.dtype], keep_quantized=config.quantization != "none"
     )
     return ModelRunner(config, checkpoint.spec, checkpoint.weights, parallel)
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from agentx.kernels.cpu.build import available
+from agentx.kernels.ref.kquant import KQUANT_TYPES
 
 __all__ = [
     "available",
@@ -63,7 +64,11 @@ def quantized_linear(
     bias: torch.Tensor | None,
     bits: int,
 ) -> torch.Tensor:
-    """x (M, K) float32 -> (M, N) float32 through the packed weight (see ``ref/quant.py``)."""
+    """x (M, K) float32 -> (M, N) float32 through the packed weight (see ``ref/quant.py``), or
+    through a K-quant weight's blocks when ``bits`` is a GGML K-quant type (``ref/kquant.py``;
+    scale and mins unused)."""
+    if bits in KQUANT_TYPES:
+        return torch.ops.agentx.kquant_linear(x, qweight, bits, bias)
     return torch.ops.agentx.quantized_linear(x, qweight, scale, mins, bias, bits)
 
 

@@ -31,6 +31,8 @@ __all__ = ["available", "load"]
 _SOURCES = (
     "qlinear.cpp",
     "qlinear_avx512.cpp",
+    "qlinear_kquant.cpp",
+    "qlinear_kquant_avx512.cpp",
     "paged_attention.cpp",
     "decoder_layer.cpp",
 )

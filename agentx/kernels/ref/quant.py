@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from agentx.kernels.ref import kquant
+
 GROUP = 32
 TILE = 8
 
@@ -108,7 +110,10 @@ def quantized_linear(
     bias: torch.Tensor | None,
     bits: int,
 ) -> torch.Tensor:
-    """x (M, K) float32 times the packed weight -> (M, N) float32 (the kernel's contract)."""
+    """x (M, K) float32 times the packed weight -> (M, N) float32 (the kernel's contract);
+    ``bits`` a GGML K-quant type: the weight is that type's blocks (``kquant.py``)."""
+    if bits in kquant.KQUANT_TYPES:
+        return kquant.kquant_linear(x, qweight, bits, bias)
     q, w_scale, w_min = unpack_weight(qweight, scale, mins, bits)
     n, k = q.shape
     xq, dx, sx = quantize_activations(x)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from agentx import env
-from agentx.engine.models.quant import QuantizedTensor
+from agentx.engine.models.quant import KQuantTensor, QuantizedTensor
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import ModelLoadError, ModelNotFoundError
@@ -47,7 +47,7 @@ class Checkpoint:
     """
 
     spec: ModelSpec
-    weights: dict[str, torch.Tensor | QuantizedTensor]
+    weights: dict[str, torch.Tensor | QuantizedTensor | KQuantTensor]
     tokenizer: Tokenizer
     path: Path
 
@@ -110,7 +110,8 @@ def load_checkpoint(
     """Load ``model``: ``None`` (the default model), a ``.gguf`` file, or a Hugging Face folder.
 
     ``keep_quantized``: a GGUF file's Q4_1 / Q8_0 matrices come back as
-    :class:`~agentx.engine.models.quant.QuantizedTensor` (exact), not dequantized.
+    :class:`~agentx.engine.models.quant.QuantizedTensor` (exact) and its Q4_K / Q6_K ones as
+    :class:`~agentx.engine.models.quant.KQuantTensor` (the file's blocks), not dequantized.
 
     Raises ModelNotFoundError when the path does not exist (hub ids are not downloaded) and
     ModelLoadError when it exists but is not a checkpoint agentx can read.

@@ -26,7 +26,7 @@ from agentx import env
 
 __all__ = ["FORMAT", "cached", "entry_path"]
 
-FORMAT = 1  # bump when Checkpoint, QuantizedTensor or a loader's output changes
+FORMAT = 2  # bump when Checkpoint, QuantizedTensor or a loader's output changes
 _log = logging.getLogger(__name__)
 
 

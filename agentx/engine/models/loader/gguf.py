@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 from agentx.engine.models.gemma3 import Gemma3Config
 from agentx.engine.models.loader import Checkpoint
 from agentx.engine.models.loader.gguf_file import GGUFFile, GGUFTensor
-from agentx.engine.models.quant import QuantizedTensor
+from agentx.engine.models.quant import KQuantTensor, QuantizedTensor
 from agentx.engine.models.spec import ModelSpec, RopeScaling
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import ModelLoadError
@@ -90,7 +90,8 @@ def load_gguf(
     keep_quantized: bool = False,
 ) -> Checkpoint:
     """Read a GGUF file: spec, tokenizer, and every tensor dequantized to ``dtype``; with
-    ``keep_quantized``, Q4_1 and Q8_0 matrices come back as exact :class:`QuantizedTensor`.
+    ``keep_quantized``, Q4_1 and Q8_0 matrices come back as exact :class:`QuantizedTensor` and
+    Q4_K / Q6_K ones as :class:`KQuantTensor` (the file's blocks).
 
     Raises ModelLoadError for a file that is not GGUF, an architecture not in ``_ARCHITECTURES``,
     or a tensor or setting it cannot map.
@@ -177,10 +178,10 @@ def _gemma3_fields(meta: Callable[..., Any], num_layers: int, head_dim: int) -> 
 
 def _read_weights(
     reader: GGUFFile, spec: ModelSpec, dtype: torch.dtype, keep_quantized: bool
-) -> dict[str, torch.Tensor | QuantizedTensor]:
+) -> dict[str, torch.Tensor | QuantizedTensor | KQuantTensor]:
     architecture = _ARCHITECTURES[_metadata(reader, "general.architecture")]
     permuted_qk = architecture.permuted_qk
-    weights: dict[str, torch.Tensor | QuantizedTensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedTensor | KQuantTensor] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
@@ -202,11 +203,16 @@ def _read_weights(
 
 # GGUF block layouts kept as they are: (bits, bytes a block of 32)
 _KEPT_TYPES = {GGMLQuantizationType.Q4_1: (4, 20), GGMLQuantizationType.Q8_0: (8, 34)}
+_KQUANT_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
 
 
-def _read_quantized(tensor: GGUFTensor) -> QuantizedTensor | None:
+def _read_quantized(tensor: GGUFTensor) -> QuantizedTensor | KQuantTensor | None:
     """Q4_1 (fp16 d, fp16 m, 16 bytes: element j low nibble, j + 16 high) and Q8_0 (fp16 d,
-    32 int8) matrices as their integers and scales, exactly; None for any other type."""
+    32 int8) matrices as their integers and scales, exactly; Q4_K / Q6_K matrices as their
+    blocks (one row of the matrix a row of bytes); None for any other type."""
+    if tensor.tensor_type in _KQUANT_TYPES and len(tensor.shape) == 2:
+        rows = np.array(tensor.data).reshape(int(tensor.shape[1]), -1)  # a copy: not the mmap
+        return KQuantTensor(torch.from_numpy(rows), int(tensor.tensor_type))
     kept = _KEPT_TYPES.get(tensor.tensor_type)
     if kept is None or len(tensor.shape) != 2:
         return None
@@ -230,9 +236,9 @@ def _read_quantized(tensor: GGUFTensor) -> QuantizedTensor | None:
 
 
 def _unpermute(
-    value: torch.Tensor | QuantizedTensor, num_heads: int
-) -> torch.Tensor | QuantizedTensor:
-    if isinstance(value, QuantizedTensor):
+    value: torch.Tensor | QuantizedTensor | KQuantTensor, num_heads: int
+) -> torch.Tensor | QuantizedTensor | KQuantTensor:
+    if isinstance(value, QuantizedTensor | KQuantTensor):
         return value.map_rows(lambda rows: _unpermute_rows(rows, num_heads))
     return _unpermute_rows(value, num_heads)
 

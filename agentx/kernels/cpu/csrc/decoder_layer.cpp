@@ -153,7 +153,7 @@ struct Linear {
   const at::Tensor& scale;
   const at::Tensor& mins;
   int64_t bits;
-  int64_t out() const { return w.size(0) * 8; }
+  int64_t out() const { return is_kquant(bits) ? w.size(0) : w.size(0) * 8; }  // K-quant: rows
 };
 
 // weights: [norm1, qkv (w, scale, mins), o (3), norm2, gate_up (3), down (3)];

@@ -38,4 +38,21 @@ void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, bool int4, con
                             const int8_t* xq, const float* dx, const float* sx, int64_t k,
                             float* const* out);
 
+// GGUF K-quant weights (qlinear_kquant.cpp): the type ids are GGML's, and a layer's "bits"
+// may be one of them (quantized_linear_into then multiplies through the K-quant kernel).
+constexpr int64_t kQ4K = 12;
+constexpr int64_t kQ6K = 14;
+inline bool is_kquant(int64_t bits) { return bits == kQ4K || bits == kQ6K; }
+
+// y (m, n) = x (m, k) W^T with W the file's super-blocks (qweight (n, k/256 * block bytes)
+// uint8); y rows ldy floats apart. Each row's result depends on that row alone.
+void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& qweight,
+                        int64_t type, float* y, int64_t ldy);
+
+// AVX-512 VNNI: columns [n0, n1) of activation rows [r0, r0 + rows) (rows <= 4) into y (row
+// r at y + r * ldy); xq, dx, sums as kquant.h's Rows. The same sums and steps as AVX2's.
+void kquant_columns_avx512(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                           int64_t n1, const int8_t* xq, const float* dx, const int16_t* sums,
+                           int64_t k, int64_t r0, int64_t rows, float* y, int64_t ldy);
+
 }  // namespace agentx

@@ -184,6 +184,10 @@ int64_t kernel_isa(int64_t set) {
 void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& qweight,
                            const at::Tensor& scale, const at::Tensor& mins, int64_t bits,
                            float* y, int64_t ldy) {
+  if (is_kquant(bits)) {  // GGUF super-blocks (qlinear_kquant.cpp); scale and mins unused
+    kquant_linear_into(x, m, k, qweight, bits, y, ldy);
+    return;
+  }
   check_weight(qweight, scale, mins, k, bits);
   if (m == 0) return;
   const int64_t tiles = qweight.size(0), groups = k / kGroup;

@@ -1,0 +1,374 @@
+// GGUF K-quant linear layers (Q4_K, Q6_K) multiplied in place, for AVX2 CPUs.
+//
+// The weight stays as the file's super-blocks of 256 input features (qweight (N, K/256 *
+// block bytes) uint8; layouts in kernels/ref/kquant.py). Each activation row is quantized per
+// super-block to int8 (one float scale dx, sums of xq per 16), each (row, column, super-block)
+// gives exact int32 sums, and kquant.h's float steps fold them into the output in block order:
+//
+//   Q4_K  y += dx * (d * S1 - dmin * S2)   S1 = sum_j sc_j (q_j . xq_j), S2 = sum_j m_j sum(xq_j)
+//   Q6_K  y += dx * (d * S)                S  = sum_j sc_j ((q_j - 32) . xq_j)
+//
+// Every output element depends on its own row alone, in a fixed order, so results do not depend
+// on batching, threads or the ISA (qlinear_kquant_avx512.cpp: the same sums and steps).
+//
+// Work split: threads take ranges of output columns; inside, 16 columns at a time are swept by
+// every group of up to 4 rows (the 16 weight rows stay in L1/L2 across the row groups). With 2
+// or more rows AVX2 takes 8 columns together (one horizontal sum for 8, the float steps 8 lanes
+// wide; ~1.5x at 64 rows), otherwise one column at a time: the same integers and roundings.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "kquant.h"
+
+namespace agentx {
+namespace {
+
+using kquant::kBlock;
+using kquant::kRows;
+using kquant::Rows;
+
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// Per row and super-block: dx = amax / 127, xq = rint(x * 127 / amax), sums of xq per 16.
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* dx, int16_t* sums) {
+  const int64_t blocks = k / kBlock;
+  at::parallel_for(0, m * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kBlock;  // row i / blocks, block i % blocks
+      float amax = 0.f;
+      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(src[e]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      dx[i] = amax / 127.f;
+      int8_t* dst = xq + i * kBlock;
+      for (int j = 0; j < 16; ++j) {
+        int s = 0;
+        for (int e = 16 * j; e < 16 * j + 16; ++e) {
+          const float prod = src[e] * inv;
+          const int q = static_cast<int>(std::nearbyint(prod));  // round half to even
+          dst[e] = static_cast<int8_t>(q);
+          s += q;
+        }
+        sums[i * 16 + j] = static_cast<int16_t>(s);
+      }
+    }
+  });
+}
+
+// 8 vectors of 8 int32 -> one vector whose lane c is the sum of v[c] (exact in any order).
+inline __m256i reduce8(const __m256i* v) {
+  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// Q4_K's 12 scale bytes -> sc and m as 8 bytes each (kquant::q4k_scales, 4 bytes at a time).
+inline void q4k_scale_bytes(const uint8_t* s, uint64_t* sc, uint64_t* m) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+  const uint32_t sc_hi = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+  const uint32_t m_hi = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+  *sc = (u[0] & six) | (static_cast<uint64_t>(sc_hi) << 32);
+  *m = (u[1] & six) | (static_cast<uint64_t>(m_hi) << 32);
+}
+
+// The per-block integer sums of R rows against one Q4_K block, before the horizontal sum.
+template <int R>
+inline void block_q4k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* sums,
+                      __m256i* s1, __m256i* s2) {
+  uint64_t scb, mb;
+  q4k_scale_bytes(blk + 4, &scb, &mb);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int r = 0; r < R; ++r) s1[r] = _mm256_setzero_si256();
+  const uint8_t* qs = blk + 16;
+  for (int c = 0; c < 4; ++c) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    const __m256i lo = _mm256_and_si256(packed, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    const __m256i sl = _mm256_set1_epi16(static_cast<int16_t>((scb >> (16 * c)) & 0xFF));
+    const __m256i sh = _mm256_set1_epi16(static_cast<int16_t>((scb >> (16 * c + 8)) & 0xFF));
+    for (int r = 0; r < R; ++r) {
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * c));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * c + 32));
+      const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), sl);
+      const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), sh);
+      s1[r] = _mm256_add_epi32(s1[r], _mm256_add_epi32(pl, ph));
+    }
+  }
+  // each min twice: once for each 16-feature sum of its 32-feature sub-block
+  const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mb));
+  const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+  for (int r = 0; r < R; ++r) {
+    const __m256i sv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums[r]));
+    s2[r] = _mm256_madd_epi16(m16, sv);
+  }
+}
+
+// sum_j sc_j ((q_j - 32) . x_j) of R rows against one Q6_K block, before the horizontal sum.
+template <int R>
+inline void block_q6k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* sums,
+                      __m256i* s) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i two = _mm256_set1_epi8(0x03), mid = _mm256_set1_epi8(0x0C);
+  const __m256i top = _mm256_set1_epi8(0x30);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  const __m256i sc16 =
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  for (int r = 0; r < R; ++r) {
+    const __m256i sv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums[r]));
+    s[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                            _mm256_slli_epi32(_mm256_madd_epi16(sc16, sv), 5));  // -32 sc.sum
+  }
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = blk + 64 * h;
+    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    __m256i q[4];
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, low),
+                           _mm256_slli_epi16(_mm256_and_si256(qh, two), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, low),
+                           _mm256_slli_epi16(_mm256_and_si256(qh, mid), 2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                           _mm256_and_si256(qh, top));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
+    for (int t = 0; t < 4; ++t) {
+      const int c = 4 * h + t;
+      const __m256i scv =
+          _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 32 * c));
+        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], xv), scv));
+      }
+    }
+  }
+}
+
+// 8 columns [n, n + 8) of R rows: the integer sums of the 8 columns are summed across lanes
+// together, then kquant.h's float steps run on 8 columns a vector (the same roundings a lane).
+template <int R>
+void group_q4k(const uint8_t* w, int64_t row_bytes, int64_t n, const Rows& a, int64_t r0,
+               float* y, int64_t ldy) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int8_t* x[R];
+    const int16_t* sums[R];
+    for (int r = 0; r < R; ++r) {
+      x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
+      sums[r] = a.sums + ((r0 + r) * a.blocks + b) * 16;
+    }
+    __m256i s1[R][8], s2[R][8];
+    alignas(16) uint16_t dh[8], mh[8];
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* blk = w + (n + c) * row_bytes + b * kquant::kQ4KBytes;
+      std::memcpy(&dh[c], blk, 2);
+      std::memcpy(&mh[c], blk + 2, 2);
+      __m256i v1[R], v2[R];
+      block_q4k<R>(blk, x, sums, v1, v2);
+      for (int r = 0; r < R; ++r) {
+        s1[r][c] = v1[r];
+        s2[r][c] = v2[r];
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_mul_ps(d, _mm256_cvtepi32_ps(reduce8(s1[r])));
+      const __m256 bv = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(reduce8(s2[r])));
+      const __m256 p = _mm256_mul_ps(_mm256_set1_ps(a.dx[(r0 + r) * a.blocks + b]),
+                                     _mm256_sub_ps(av, bv));
+      acc[r] = _mm256_add_ps(acc[r], p);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + n, acc[r]);
+}
+
+template <int R>
+void group_q6k(const uint8_t* w, int64_t row_bytes, int64_t n, const Rows& a, int64_t r0,
+               float* y, int64_t ldy) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int8_t* x[R];
+    const int16_t* sums[R];
+    for (int r = 0; r < R; ++r) {
+      x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
+      sums[r] = a.sums + ((r0 + r) * a.blocks + b) * 16;
+    }
+    __m256i s[R][8];
+    alignas(16) uint16_t dh[8];
+    for (int c = 0; c < 8; ++c) {
+      const uint8_t* blk = w + (n + c) * row_bytes + b * kquant::kQ6KBytes;
+      std::memcpy(&dh[c], blk + 208, 2);
+      __m256i v[R];
+      block_q6k<R>(blk, x, sums, v);
+      for (int r = 0; r < R; ++r) s[r][c] = v[r];
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    for (int r = 0; r < R; ++r) {
+      const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(reduce8(s[r])));
+      const __m256 p = _mm256_mul_ps(_mm256_set1_ps(a.dx[(r0 + r) * a.blocks + b]), t);
+      acc[r] = _mm256_add_ps(acc[r], p);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + n, acc[r]);
+}
+
+// Columns [n0, n1) of R rows starting at row r0, one column at a time; y row r at y + r * ldy.
+template <int R>
+void columns_q4k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Rows& a,
+                 int64_t r0, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[R] = {};
+    const uint8_t* blk = w + n * row_bytes;
+    for (int64_t b = 0; b < a.blocks; ++b, blk += kquant::kQ4KBytes) {
+      const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));
+      const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2));
+      const int8_t* x[R];
+      const int16_t* sums[R];
+      for (int r = 0; r < R; ++r) {
+        x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
+        sums[r] = a.sums + ((r0 + r) * a.blocks + b) * 16;
+      }
+      __m256i v1[R], v2[R];
+      block_q4k<R>(blk, x, sums, v1, v2);
+      for (int r = 0; r < R; ++r) {
+        const float dx = a.dx[(r0 + r) * a.blocks + b];
+        acc[r] = kquant::q4k_step(acc[r], dx, d, dmin, hsum(v1[r]), hsum(v2[r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
+  }
+}
+
+template <int R>
+void columns_q6k(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Rows& a,
+                 int64_t r0, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[R] = {};
+    const uint8_t* blk = w + n * row_bytes;
+    for (int64_t b = 0; b < a.blocks; ++b, blk += kquant::kQ6KBytes) {
+      const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 208));
+      const int8_t* x[R];
+      const int16_t* sums[R];
+      for (int r = 0; r < R; ++r) {
+        x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
+        sums[r] = a.sums + ((r0 + r) * a.blocks + b) * 16;
+      }
+      __m256i v[R];
+      block_q6k<R>(blk, x, sums, v);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = kquant::q6k_step(acc[r], a.dx[(r0 + r) * a.blocks + b], d, hsum(v[r]));
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
+  }
+}
+
+template <int R>
+void columns_avx2(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+                  const Rows& a, int64_t r0, float* y, int64_t ldy) {
+  int64_t n = n0;
+  // one row (decode) streams each weight row alone: measured faster than 8 rows interleaved
+  for (; R > 1 && n + 8 <= n1; n += 8) {
+    if (type == kQ4K) {
+      group_q4k<R>(w, row_bytes, n, a, r0, y, ldy);
+    } else {
+      group_q6k<R>(w, row_bytes, n, a, r0, y, ldy);
+    }
+  }
+  if (type == kQ4K) {
+    columns_q4k<R>(w, row_bytes, n, n1, a, r0, y, ldy);
+  } else {
+    columns_q6k<R>(w, row_bytes, n, n1, a, r0, y, ldy);
+  }
+}
+
+void columns(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+             const Rows& a, int64_t r0, int64_t rows, float* y, int64_t ldy) {
+  if (kernel_isa(-1) == kIsaAvx512) {
+    kquant_columns_avx512(type, w, row_bytes, n0, n1, a.xq, a.dx, a.sums, a.k, r0, rows, y, ldy);
+    return;
+  }
+  float* yr = y + r0 * ldy;
+  switch (rows) {
+    case 4: columns_avx2<4>(type, w, row_bytes, n0, n1, a, r0, yr, ldy); break;
+    case 3: columns_avx2<3>(type, w, row_bytes, n0, n1, a, r0, yr, ldy); break;
+    case 2: columns_avx2<2>(type, w, row_bytes, n0, n1, a, r0, yr, ldy); break;
+    default: columns_avx2<1>(type, w, row_bytes, n0, n1, a, r0, yr, ldy); break;
+  }
+}
+
+int64_t type_bytes(int64_t type) {
+  TORCH_CHECK(type == kQ4K || type == kQ6K, "kquant_linear: type must be Q4_K (12) or Q6_K (14)");
+  return type == kQ4K ? kquant::kQ4KBytes : kquant::kQ6KBytes;
+}
+
+}  // namespace
+
+void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& qweight,
+                        int64_t type, float* y, int64_t ldy) {
+  TORCH_CHECK(k % kBlock == 0, "kquant_linear: in_features must be a multiple of 256");
+  const int64_t blocks = k / kBlock, row_bytes = blocks * type_bytes(type);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.size(1) == row_bytes && qweight.is_contiguous() &&
+                  qweight.scalar_type() == at::kByte,
+              "kquant_linear: qweight must be contiguous (N, K/256 * block bytes) uint8");
+  if (m == 0) return;
+  const int64_t n = qweight.size(0);
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> dx(m * blocks);
+  std::vector<int16_t> sums(m * blocks * 16);
+  quantize_rows(x, m, k, xq.data(), dx.data(), sums.data());
+  const Rows a{xq.data(), dx.data(), sums.data(), k, blocks};
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  constexpr int64_t kCols = 16;
+  at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * kCols, n1 = std::min(n, n0 + kCols);
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        columns(type, w, row_bytes, n0, n1, a, r0, std::min<int64_t>(kRows, m - r0), y, ldy);
+      }
+    }
+  });
+}
+
+namespace {
+
+// x (M, K) float32 -> (M, N) float32.
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t type,
+                         const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be (M, K) float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), n = qweight.size(0);
+  at::Tensor y = at::empty({m, n}, xc.options());
+  kquant_linear_into(xc.data_ptr<float>(), m, xc.size(1), qweight, type, y.data_ptr<float>(), n);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(agentx, lib) {
+  lib.def("kquant_linear(Tensor x, Tensor qweight, int type, Tensor? bias) -> Tensor");
+  lib.impl("kquant_linear", c10::DispatchKey::CPU, &kquant_linear);
+}
+
+}  // namespace agentx

@@ -52,6 +52,9 @@ demo: $(STAMP)
 # unshare -n; otherwise a user namespace: unshare -rn)
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples
+	$(BIN)/ruff format --check agentx tests benchmarks examples
+	# the real coding model's tests (tests/test_qwen_coder.py): a no-op once it is in the cache
+	$(BIN)/agentx models pull qwen2.5-coder-1.5b
 	@if ! command -v ip >/dev/null; then ns=""; \
 	elif unshare -n true 2>/dev/null; then ns="unshare -n"; \
 	elif unshare -rn true 2>/dev/null; then ns="unshare -rn"; else ns=""; fi; \

@@ -24,8 +24,6 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import anyio
-
 from agentx.engine.client import Engine
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
@@ -37,7 +35,7 @@ from agentx.openai.requests import (
     parse_sampling,
     parse_tenant,
 )
-from agentx.openai.service import ChatService, ChunkStream, cache_salt
+from agentx.openai.service import ChatService, ChunkStream, cache_salt, prepare_off_loop
 from agentx.openai.timing import RequestClock
 
 __all__ = ["CompletionService", "fim_tokens"]
@@ -107,14 +105,7 @@ class CompletionService:
 
     async def _start(self, body: object, tenant: str | None) -> _Call:
         engine = await self.chat.get_engine()
-        with anyio.CancelScope(shield=True):  # the call is ended if a cancel came meanwhile
-            call = await anyio.to_thread.run_sync(self._prepare, engine, body, tenant)
-        try:
-            await anyio.lowlevel.checkpoint()
-        except BaseException:
-            self._end(call)
-            raise
-        return call
+        return await prepare_off_loop(self._prepare, self._end, engine, body, tenant)
 
     def _prepare(self, engine: Engine, body: object, tenant: str | None) -> _Call:
         if not isinstance(body, Mapping):

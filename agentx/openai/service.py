@@ -26,8 +26,9 @@ import copy
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import anyio
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -64,6 +65,8 @@ from agentx.session.default import get_default_engine
 from agentx.session.tool_calls import ToolCallParser
 
 __all__ = ["ChatService", "ChunkStream"]
+
+T = TypeVar("T")
 
 DEFAULT_MODEL_NAME = "agentx"
 
@@ -254,14 +257,7 @@ class ChatService:
         the event loop keeps serving meanwhile). A cancel that arrives meanwhile ends the
         call as soon as it exists."""
         engine = await self.get_engine()
-        with anyio.CancelScope(shield=True):
-            call = await anyio.to_thread.run_sync(self._prepare_call, engine, body, tenant)
-        try:
-            await anyio.lowlevel.checkpoint()
-        except BaseException:
-            self._end(call)
-            raise
-        return call
+        return await prepare_off_loop(self._prepare_call, self._end, engine, body, tenant)
 
     def _prepare_call(self, engine: Engine, body: object, tenant: str | None) -> _Call:
         clock = RequestClock()
@@ -406,6 +402,19 @@ def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or sampling.seed is None:
         return sampling
     return replace(sampling, seed=(sampling.seed + index) % (MAX_SEED + 1))  # stays in range
+
+
+async def prepare_off_loop(prepare: Callable[..., T], end: Callable[[T], object], *args) -> T:
+    """``prepare(*args)`` in a worker thread (seconds for a huge request: the event loop keeps
+    serving meanwhile); a cancel that arrived meanwhile ends what it made (``end``)."""
+    with anyio.CancelScope(shield=True):
+        made = await anyio.to_thread.run_sync(prepare, *args)
+    try:
+        await anyio.lowlevel.checkpoint()
+    except BaseException:
+        end(made)
+        raise
+    return made
 
 
 def cache_salt(*tenants: str | None) -> str | None:

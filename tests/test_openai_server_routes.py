@@ -11,6 +11,7 @@ import openai
 import pytest
 from openai_helpers import ADD_TOOL, GREEDY, LONG, wait_idle
 
+from agentx import SamplingParams
 from agentx.openai import ChatService
 from agentx.openai.serve_command import log_engine
 from agentx.openai.server import ServerThread, create_app
@@ -99,6 +100,44 @@ async def test_completion_echo_stop_and_stream(client):
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == generated
     assert chunks[-1].usage.completion_tokens == 12
+
+
+async def test_completion_logprobs_with_and_without_echo(engine, client):
+    prompt = "The capital of France is"
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+    plain = await client.completions.create(
+        model="agentx", prompt=prompt, max_tokens=5, logprobs=3, **_t0()
+    )
+    lp = plain.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == plain.usage.completion_tokens == 5
+    assert "".join(lp.tokens) == plain.choices[0].text
+    assert all(
+        len(top) <= 3 and max(top.values()) == v
+        for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    )  # noqa: E501
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    # the engine's own records, the same request
+    mine = engine.generate([ids], SamplingParams(max_tokens=5, logprobs=3))[0]
+    assert lp.token_logprobs == [r.logprob for r in mine.logprobs]
+    echoed = await client.completions.create(
+        model="agentx", prompt=prompt, max_tokens=5, logprobs=2, echo=True, **_t0()
+    )
+    elp = echoed.choices[0].logprobs
+    assert len(elp.tokens) == len(ids) + 5 and elp.token_logprobs[0] is None
+    assert elp.top_logprobs[0] is None and all(v <= 0 for v in elp.token_logprobs[1:])
+    assert echoed.choices[0].text.startswith(prompt)
+    stream = await client.completions.create(
+        model="agentx", prompt=prompt, max_tokens=5, logprobs=1, echo=True, stream=True, **_t0()
+    )
+    streamed = [
+        t
+        for c in [c async for c in stream]
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]  # noqa: E501
+    assert len(streamed) == len(ids) + 5
+    with pytest.raises(openai.BadRequestError, match="logprobs must be"):
+        await client.completions.create(model="agentx", prompt=prompt, logprobs=6)
 
 
 async def test_completion_refusals(client):

@@ -8,6 +8,9 @@ llama-cpp-python's and SGLang's servers answer it::
     suffix       fill-in-the-middle: the prompt becomes <prefix-token> prompt <suffix-token>
                  suffix <middle-token>, for a model whose vocabulary has FIM tokens; else 400
     echo         the prompt's text is put before the output
+    logprobs     0 to 5: every output token's logprob and the top ones (with echo, the
+                 prompt's tokens too, the first with a null logprob), in the legacy shape
+                 (tokens, token_logprobs, top_logprobs, text_offset); raw model logprobs
     max_tokens   default 16 (OpenAI's), capped by the context left
     stop, temperature, top_p, top_k, seed, stream, stream_options.include_usage
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,8 +50,8 @@ _FIM_TOKEN_SETS = (
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
     ("<|fim_begin|>", "<|fim_hole|>", "<|fim_end|>"),  # DeepSeek-Coder (ASCII spelling)
 )
+_MAX_LOGPROBS = 5  # OpenAI's limit for this route's ``logprobs``
 _REFUSED = {
-    "logprobs": "logprobs are not supported",
     "best_of": "best_of is not supported",
     "logit_bias": "logit_bias is not supported",
     "presence_penalty": "presence_penalty is not supported",
@@ -62,6 +65,11 @@ class _Choice:
     prompt_text: str  # what echo shows
     stream: RequestStream
 
+    @property
+    def first_token_id(self) -> int | None:
+        ids = self.stream.prompt_token_ids
+        return ids[0] if ids else None
+
 
 @dataclass(slots=True)
 class _Call:
@@ -71,6 +79,7 @@ class _Call:
     echo: bool
     include_usage: bool
     clock: RequestClock | None
+    token_text: Callable[[int], str] | None = None  # set when the request asked for logprobs
 
 
 def fim_tokens(engine: Engine) -> tuple[int, int, int] | None:
@@ -120,6 +129,12 @@ class CompletionService:
             raise InvalidRequestError(f"n must be between 1 and {_MAX_CHOICES}, got {n}")
         prompts = [self._encode(engine, p, body.get("suffix")) for p in _prompts(body)]
         sampling = parse_sampling(body)
+        logprobs = _logprobs(body)
+        if logprobs is not None:  # with echo, the prompt's tokens are scored too
+            echo = bool(body.get("echo"))
+            sampling = replace(
+                sampling, logprobs=logprobs, prompt_logprobs=logprobs if echo else None
+            )
         max_tokens = parse_max_tokens(body) or DEFAULT_MAX_TOKENS
         salt = cache_salt(tenant, parse_tenant(body))
         stream_options = body.get("stream_options") or {}
@@ -131,6 +146,8 @@ class CompletionService:
             "model": model if isinstance(model, str) and model else self.chat.model_name,
         }
         call = _Call(header, [], 0, bool(body.get("echo")), False, clock)
+        if logprobs is not None:
+            call.token_text = engine.tokenizer.token_to_text
         call.include_usage = isinstance(stream_options, Mapping) and bool(
             stream_options.get("include_usage")
         )
@@ -169,20 +186,35 @@ class CompletionService:
 
     async def _collect(self, call: _Call, choice: _Choice) -> dict[str, Any]:
         parts = [choice.prompt_text] if call.echo else []
+        records: list = []
         async for out in choice.stream:
             call.clock.tick(len(out.new_token_ids))
             parts.append(out.new_text)
-        return _choice(choice.index, "".join(parts), _finish_reason(choice.stream))
+            records += [*(out.prompt_logprobs if call.echo else ()), *out.logprobs]
+        logprobs = _legacy_logprobs(records, call.token_text, choice.first_token_id)
+        return _choice(choice.index, "".join(parts), _finish_reason(choice.stream), logprobs)
 
     async def _chunks(self, call: _Call) -> AsyncIterator[dict[str, Any]]:
         try:
             for choice in call.choices:
-                if call.echo and choice.prompt_text:
+                # with logprobs the echo waits for the first delta: it carries the prompt's
+                echo = call.echo and bool(choice.prompt_text)
+                if echo and call.token_text is None:
                     yield {**call.header, "choices": [_choice(choice.index, choice.prompt_text)]}
+                    echo = False
                 async for out in choice.stream:
                     call.clock.tick(len(out.new_token_ids))
-                    if out.new_text:
-                        yield {**call.header, "choices": [_choice(choice.index, out.new_text)]}
+                    if echo:
+                        lps = _legacy_logprobs(
+                            list(out.prompt_logprobs), call.token_text, choice.first_token_id
+                        )
+                        text = choice.prompt_text
+                        yield {**call.header, "choices": [_choice(choice.index, text, None, lps)]}
+                        echo = False
+                    if out.new_text or (call.token_text and out.logprobs):
+                        lps = _legacy_logprobs(list(out.logprobs), call.token_text)
+                        pieces = _choice(choice.index, out.new_text, None, lps)
+                        yield {**call.header, "choices": [pieces]}
                 reason = _finish_reason(choice.stream)
                 yield {**call.header, "choices": [_choice(choice.index, "", reason)]}
             if call.include_usage:
@@ -245,5 +277,47 @@ def _finish_reason(stream: RequestStream) -> str:
     return reason if reason in ("stop", "length") else "stop"
 
 
-def _choice(index: int, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _logprobs(body: Mapping) -> int | None:
+    """``logprobs`` (0 to 5 top tokens a position, as OpenAI's legacy route); None: off."""
+    value = body.get("logprobs")
+    if value is None:
+        return None
+    if not _is_token(value) or not 0 <= value <= _MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be an integer from 0 to {_MAX_LOGPROBS}")
+    return value
+
+
+def _legacy_logprobs(
+    records: list, token_text: Callable[[int], str] | None, first_token_id: int | None = None
+) -> dict | None:
+    """The route's ``logprobs`` object for the engine's records: the tokens' texts, their
+    logprobs, the top ones by text and each token's offset in the choice's text. An echoed
+    prompt's first record is None (nothing before it predicts it): that token leads with a null
+    logprob, as OpenAI's echo does (``first_token_id`` names it)."""
+    if token_text is None:
+        return None
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    offset = 0
+    for record in records:
+        token_id = first_token_id if record is None else record.token_id
+        text = token_text(token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if record is None else record.logprob)
+        top = (
+            None if record is None or not record.top else {token_text(t): v for t, v in record.top}
+        )
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _choice(
+    index: int, text: str, finish_reason: str | None = None, logprobs: dict | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agentx.engine.sampling import MAX_LOGPROBS, SamplingParams
@@ -115,7 +115,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=_parse_tools(body.get("tools")),
         tool_choice=_tool_choice(body.get("tool_choice")),
         response_format=_response_format(body.get("response_format")),
-        sampling=_sampling(body),
+        sampling=replace(_sampling(body), logprobs=_logprobs(body)),
         max_tokens=max_tokens,
         n=n,
         stream=bool(body.get("stream")),
@@ -275,7 +275,6 @@ def _sampling(body: Mapping) -> SamplingParams:
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise InvalidRequestError(f"seed must be an integer, got {seed!r}")
     return SamplingParams(
-        logprobs=_logprobs(body),
         temperature=_number(body, "temperature", _OPENAI_DEFAULT_TEMPERATURE),
         top_p=_number(body, "top_p", 1.0),
         top_k=_int(body, "top_k", 0),  # not OpenAI's; accepted as vLLM does

@@ -34,6 +34,16 @@ from the home replica, imported on the new one, and released at home. The router
 migrating policy without a shared tier. Routing holds the router's lock, migration included,
 and the home replica's loop pauses while its queued stores land.
 
+Migration during the tool wait: a held turn whose ``ToolLatency`` hint is at least
+``tool_wait_move_s`` registers a finish callback on its stream; when the turn ends (on the
+replica's loop thread) the callback only queues a job for the router's mover thread, which asks
+the policy (``choose_move``: the same overload rule) and, off the router's lock, exports the
+held KV at home, imports it on the target under the same handle and releases it at home. The
+session's next turn, routed meanwhile, waits for the move and goes where its KV landed.
+
+As an :class:`EngineBackend` the router needs no session ids: a request continuing held KV
+belongs to the session that left it; forks are sessions placed beside their parent.
+
 Prefill windows: with ``prefill_schedule_interval`` N > 1 the replicas share one
 :class:`StepClock` (``align_prefills``), so they open their prefill windows on the same step
 indices, as DP ranks that step in lockstep would (scheduler/step_clock.py says what that buys

@@ -5,6 +5,7 @@ state: which handle goes first, reference counts, ``check_integrity()`` after ea
 from kv_helpers import make_request
 from test_kv_policy import assert_no_leak, make_kv, run_turn
 
+from agentx import SamplingParams, Session
 from agentx.engine.hints import BranchPoint, TurnsLeft
 from agentx.engine.kv_cache.policy import HeldCandidate, default_eviction_order
 
@@ -98,3 +99,25 @@ def test_without_a_branch_point_the_fork_point_is_released_under_pressure():
     kv.check_integrity()
     kv.free(r)
     assert_no_leak(kv)
+
+
+async def test_a_session_branch_point_holds_its_forks_until_their_first_turns(make_engine):
+    engine = make_engine()
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    async with Session(engine, sampling=sampling) as s:
+        s.hint(BranchPoint(2), TurnsLeft(3))
+        await s.send("Plan two subtasks.")
+        kv = engine.core.kv
+        [parent] = list(kv.held)
+        assert (parent.forks_left, parent.turns_left) == (2, 3)
+        children = await s.fork(2)
+        assert kv.get_held(parent.handle).forks_left == 0
+        pending = {h.handle for h in kv.held if h.fork_pending}
+        assert pending == {c._held_kv for c in children} and len(pending) == 2
+        assert {c.handle for c in kv.held.get_candidates()} == {parent.handle}
+        reply = await children[0].send("Do the first.")
+        assert reply.usage.cached_tokens > 0
+        assert {h.handle for h in kv.held if h.fork_pending} == {children[1]._held_kv}
+        engine.check_integrity()
+        for child in children:
+            await child.close()

@@ -256,12 +256,12 @@ class ReplicaRouter(EngineBackend):
         if not loads[replica].alive:  # a policy that does not look at ``alive``
             replica = least_loaded(loads)
         if session_id is not None:
+            self._handles.pop(_held_kv(options), None)  # the request adopts it (or it died)
             if source is not None and not loads[source].alive:
                 options = self._move_off_dead(options)
             elif source is not None and source != replica and self.policy.migrates_kv:
                 options = self._migrate(session_id, source, replica, options)
             self._set_placement(session_id, replica)
-            self._handles.pop(_held_kv(options), None)  # the request adopts it
         self.prefix_index.record(replica, hashes)
         return replica, options
 

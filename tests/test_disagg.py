@@ -16,8 +16,9 @@ from dataclasses import replace
 
 import pytest
 
-from agentx import CacheConfig, ConfigError, Engine, EngineConfig, SamplingParams
+from agentx import CacheConfig, ConfigError, Engine, EngineConfig, SamplingParams, Session
 from agentx.config import DisaggConfig, OffloadConfig, ParallelConfig, SpeculativeConfig
+from agentx.engine.backend import EngineBackend
 from agentx.engine.disagg import DisaggCoordinator
 from agentx.engine.offload import mooncake_master as launcher
 from agentx.engine.request import RequestOptions
@@ -186,9 +187,25 @@ def test_session_turns_take_both_sides_of_the_threshold_and_equal_colocated(pd, 
 
     pd.check_integrity()
     assert pd.instance_stats()["decode-0"].kv_num_held == 1
-    with pytest.raises(InvalidRequestError, match="holds KV per session"):
-        pd.add_request(p3, greedy(2), options=RequestOptions(hold_kv=True))
+    with pytest.raises(InvalidRequestError, match="holds KV per session_id or per handle"):
+        pd.add_request(p3, greedy(2), session_id="s", options=RequestOptions(hold_kv=True))
     pd.end_session("s")
+    assert_no_kv_left(pd)
+
+
+async def test_a_session_runs_three_turns_on_the_coordinator(pd):
+    assert isinstance(pd, EngineBackend) and not pd.capabilities().fork_held
+    sampling = SamplingParams(temperature=0.0, max_tokens=4)
+    async with Session(pd, sampling=sampling) as s:
+        first = await s.send("Name a color.")
+        assert first.usage.cached_tokens == 0
+        previous = first.usage.prompt_tokens + first.usage.output_tokens
+        for follow_up in ("Another one.", "And one more."):
+            reply = await s.send(follow_up)
+            assert reply.usage.cached_tokens >= 16 * ((previous - 1) // 16) > 0  # D's blocks
+            previous = reply.usage.prompt_tokens + reply.usage.output_tokens
+        assert pd.check_integrity() is None and pd.instance_stats()["decode-0"].kv_num_held == 1
+    pd._wait_for_releases()
     assert_no_kv_left(pd)
 
 

@@ -105,13 +105,13 @@ def test_router_over_two_replicas():
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with ReplicaRouter(config) as router:
         long_prompt = "You are a careful assistant. " * 8 + "The capital of France is"
-        first, stream = router.add_request(long_prompt, greedy, session_id="s1")
-        other, stream2 = router.add_request("def f(x):", greedy, session_id="s2")
+        first, stream = router.route(long_prompt, greedy, session_id="s1")
+        other, stream2 = router.route("def f(x):", greedy, session_id="s2")
         assert other != first  # s1's turn is live on its replica: s2 goes to the idle one
         turn1 = stream.result(timeout=120)
         stream2.result(timeout=120)
         prompt = turn1.prompt_token_ids + turn1.token_ids
-        again, stream = router.add_request(prompt, greedy, session_id="s1")
+        again, stream = router.route(prompt, greedy, session_id="s1")
         assert again == first
         router.check_integrity()
         assert stream.result(timeout=120).usage.cached_tokens > 0  # its KV was there
@@ -165,12 +165,12 @@ def test_a_waiting_session_migrates_with_its_kv_through_a_shared_disk_tier(tmp_p
         tok = router.tokenizer
         a = tok.encode("The history of the Roman Empire " * 30)[:180]
         b = tok.encode("A recipe for bread and butter " * 30)[:180]
-        home, stream = router.add_request(a, GREEDY, session_id="s")
+        home, stream = router.route(a, GREEDY, session_id="s")
         gen = stream.result(timeout=300)  # 185 tokens computed: 11 full blocks on disk
         assert home == 0
         blocker = _overload(router, 0)
         turn2 = a + gen.token_ids + [13, 42]  # 188 tokens: 11 full blocks before the last
-        moved, stream = router.add_request(turn2, GREEDY, session_id="s")
+        moved, stream = router.route(turn2, GREEDY, session_id="s")
         _end(router, blocker)
         migrated = stream.result(timeout=300)
         assert moved == 1 and migrated.usage.cached_tokens == 176  # loaded, not recomputed
@@ -181,12 +181,12 @@ def test_a_waiting_session_migrates_with_its_kv_through_a_shared_disk_tier(tmp_p
         assert dst.core.offload.store.num_hits == {"disk": 11}
 
         # held KV: exported at home, imported on the target, released at home
-        home, stream = router.add_request(b, GREEDY, session_id="h", hold_kv=True)
+        home, stream = router.route(b, GREEDY, session_id="h", hold_kv=True)
         gen = stream.result(timeout=300)
         assert home == 0 and router.replicas[0].stats().kv_num_held == 1
         blocker = _overload(router, 0)
         turn2 = b + gen.token_ids + [13, 42]
-        moved, stream = router.add_request(turn2, GREEDY, session_id="h", held_kv=stream.request_id)
+        moved, stream = router.route(turn2, GREEDY, session_id="h", held_kv=stream.request_id)
         _end(router, blocker)
         migrated = stream.result(timeout=300)
         assert moved == 1 and migrated.usage.cached_tokens == 176
@@ -212,18 +212,18 @@ def test_a_subagent_first_turn_goes_to_its_parents_replica():
     with ReplicaRouter(config) as router:
         tok = router.tokenizer
         parent = tok.encode("The history of the Roman Empire " * 30)[:180]
-        home, stream = router.add_request(parent, GREEDY, session_id="p")
+        home, stream = router.route(parent, GREEDY, session_id="p")
         gen = stream.result(timeout=300)  # 185 tokens computed: 11 full blocks cached
         assert home == 0
         context = parent + gen.token_ids
         blocker = _overload(router, 0)  # the parent's replica is one request busier
-        fork, stream = router.add_request(context + [13, 42], GREEDY, session_id="p/sub-0")
+        fork, stream = router.route(context + [13, 42], GREEDY, session_id="p/sub-0")
         sub = stream.result(timeout=300)
         assert fork == 0 and sub.usage.cached_tokens == 176  # the parent's blocks
         other = tok.encode("A recipe for bread and butter " * 30)[:180]
-        cold, stream = router.add_request(other, GREEDY, session_id="q")  # no prefix anywhere
+        cold, stream = router.route(other, GREEDY, session_id="q")  # no prefix anywhere
         assert cold == 1 and stream.result(timeout=300).usage.cached_tokens == 0
-        salted, stream = router.add_request(  # another tenant's cache: nothing to share
+        salted, stream = router.route(  # another tenant's cache: nothing to share
             context + [7], GREEDY, session_id="r", cache_salt="tenant-b"
         )
         assert salted == 1 and stream.result(timeout=300).usage.cached_tokens == 0
@@ -275,7 +275,7 @@ def test_a_dead_replica_gets_no_work_and_its_sessions_move(tmp_path):
     )
     with ReplicaRouter(config) as router:
         a = router.tokenizer.encode("The history of the Roman Empire " * 30)[:180]
-        home, stream = router.add_request(a, GREEDY, session_id="s", hold_kv=True)
+        home, stream = router.route(a, GREEDY, session_id="s", hold_kv=True)
         gen = stream.result(timeout=300)  # 185 tokens computed: 11 full blocks
         assert home == 0
         router.replicas[0].flush_offload()  # its blocks landed in the shared tier ...
@@ -289,12 +289,12 @@ def test_a_dead_replica_gets_no_work_and_its_sessions_move(tmp_path):
         assert router.replicas[0].is_dead
 
         short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        routed = [router.add_request("def f(x):", short, session_id=f"new-{i}") for i in range(10)]
+        routed = [router.route("def f(x):", short, session_id=f"new-{i}") for i in range(10)]
         assert [replica for replica, _ in routed] == [1] * 10  # was: 5 of 10 sent to the dead
         assert all(len(s.result(timeout=300).token_ids) == 2 for _, s in routed)
 
         turn2 = a + gen.token_ids + [13, 42]  # 188 tokens: 11 full blocks before the last
-        moved, stream = router.add_request(turn2, GREEDY, session_id="s", held_kv=stream.request_id)
+        moved, stream = router.route(turn2, GREEDY, session_id="s", held_kv=stream.request_id)
         out = stream.result(timeout=300)
         assert moved == 1 and out.usage.cached_tokens == 176  # loaded from the disk tier
         assert len(out.token_ids) == 6
@@ -302,7 +302,7 @@ def test_a_dead_replica_gets_no_work_and_its_sessions_move(tmp_path):
             num_replicas=2, num_dead_replicas=1, num_migrations=0, num_moved_sessions=1
         )
         assert router.policy.home == {"s": 1, **{f"new-{i}": 1 for i in range(10)}}
-        again, stream = router.add_request(turn2 + out.token_ids, short, session_id="s")
+        again, stream = router.route(turn2 + out.token_ids, short, session_id="s")
         assert again == 1 and stream.result(timeout=300).usage.cached_tokens >= 176
         assert router.get_stats().num_moved_sessions == 1  # it lives on replica 1 now
         router.check_integrity()
@@ -311,4 +311,4 @@ def test_a_dead_replica_gets_no_work_and_its_sessions_move(tmp_path):
         with pytest.raises(EngineDeadError):
             router.replicas[1].add_request("crash it").result(timeout=120)
         with pytest.raises(EngineDeadError, match="every replica"):
-            router.add_request("def f(x):", short, session_id="last")
+            router.route("def f(x):", short, session_id="last")

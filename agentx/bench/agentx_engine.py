@@ -135,7 +135,7 @@ class AgentxEngine(EngineAdapter):
             if self.router is None:
                 stream, engine = self.engine.add_request(prompt, sampling, **fields), self.engine
             else:
-                replica, stream = self.router.add_request(
+                replica, stream = self.router.route(
                     prompt, sampling, session_id=request.session_id, **fields
                 )
                 engine = self.router.replicas[replica]

@@ -59,9 +59,11 @@ class EngineCapabilities:
     draft_from_context: bool = True  # speculative decoding from the session tree's context
     export_held: bool = True  # export_held / import_held through shared offload tiers
     session_affinity: bool = True  # a session stays on the replica holding its cache (DP > 1)
+    branch_point: bool = True  # BranchPoint(n): the fork point's KV is kept for its forks
+    turns_left: bool = True  # TurnsLeft(k): fewer turns left, held KV released first
 
     def honours(self, hint: Hint) -> bool:
-        """Whether this backend acts on ``hint`` (advisory hints are accepted everywhere)."""
+        """Whether this backend acts on ``hint`` (one it does not is still accepted)."""
         if isinstance(hint, Priority):
             return self.priority
         if isinstance(hint, Pin):
@@ -70,7 +72,11 @@ class EngineCapabilities:
             return self.release_drop_cached or not hint.drop_cached
         if isinstance(hint, ToolLatency):
             return self.tool_latency
-        return isinstance(hint, BranchPoint | TurnsLeft)  # advisory on every backend
+        if isinstance(hint, BranchPoint):
+            return self.branch_point
+        if isinstance(hint, TurnsLeft):
+            return self.turns_left
+        return False
 
     def unsupported(self) -> list[str]:
         """Names of the boolean capabilities this backend does not have."""

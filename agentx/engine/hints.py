@@ -1,11 +1,12 @@
 """Hint records: what an agent knows about the future, carried on a request.
 
 The session builds them (agentx.session.hints re-exports these records); the engine acts on
-four of them: priority orders the queue, pin and release act on held KV, and the offload manager
-uses the tool latency to demote a waiting session's blocks and prefetch them before it returns.
-``BranchPoint`` and ``TurnsLeft`` are advisory: they travel with the request (a backend may
-read them; a KV policy gets every hint of a finished turn in ``TurnEnd.hints``) but no built-in
-behaviour acts on them yet.
+every one: priority orders the queue, pin and release act on held KV, the offload manager uses
+the tool latency to demote a waiting session's blocks and prefetch them before it returns (and
+a router may move the session to another replica meanwhile), a branch point's held KV is kept
+until its forks were made (and each fork until it starts), and held KV of sessions with fewer
+turns left is released first under pressure (kv_cache/held.py). A KV policy gets every hint of
+a finished turn in ``TurnEnd.hints``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class ToolLatency:
 
 @dataclass(frozen=True, slots=True)
 class BranchPoint:
-    """This prefix will be forked ``num_forks`` times. Advisory: nothing acts on it yet."""
+    """The KV this turn leaves will be forked ``num_forks`` times: it is held against memory
+    pressure until that many forks were made, and each fork until its first turn starts."""
 
     num_forks: int
 
@@ -60,8 +62,8 @@ class BranchPoint:
 
 @dataclass(frozen=True, slots=True)
 class TurnsLeft:
-    """About ``num_turns`` more turns will follow in this session. Advisory: nothing acts on
-    it yet."""
+    """About ``num_turns`` more turns will follow this one in the session (0: this is the last).
+    Under pressure, held KV of sessions with fewer turns left is released first."""
 
     num_turns: int
 

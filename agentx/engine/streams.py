@@ -82,6 +82,8 @@ class RequestStream:
         self._done = False
         self._cond = threading.Condition()
         self._notify: Callable[[], None] | None = None
+        self._on_finish: list[Callable[[RequestOutput | None], None]] | None = []
+        self._final_put: RequestOutput | None = None  # the finished delta, once produced
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = []
@@ -106,12 +108,33 @@ class RequestStream:
         with self._cond:
             self._items.append(output)
             self._wake()
+        if output.finished:
+            self._finish(output)
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
             if self._error is None:
                 self._error = error
             self._wake()
+        self._finish(None)
+
+    def add_finish_callback(self, callback: Callable[[RequestOutput | None], None]) -> None:
+        """Call ``callback(final)`` (None: the request failed) once, on the producer's thread,
+        when the request ends (at once, on this thread, if it already has). It must not block
+        or raise: it runs inside the engine's step (a router queues work for its own thread)."""
+        with self._cond:
+            if self._on_finish is not None:
+                self._on_finish.append(callback)
+                return
+            final = self._final_put
+        callback(final)
+
+    def _finish(self, final: RequestOutput | None) -> None:
+        with self._cond:
+            callbacks, self._on_finish = self._on_finish or [], None
+            self._final_put = self._final_put or final
+        for callback in callbacks:
+            callback(final)
 
     def _wake(self) -> None:
         self._cond.notify_all()

@@ -1,10 +1,11 @@
 """Hints: what an agent knows about the future, passed to the runtime with the next request.
 
 Each hint is a small frozen record (defined in agentx.engine.hints, re-exported here). The
-engine acts on four: priority orders the queue; a pin keeps the session's KV from being released
+engine acts on each: priority orders the queue; a pin keeps the session's KV from being released
 for room, in every tier; release drops it on close, everywhere; a tool latency lets the offload
-tiers demote the waiting session and prefetch it back before the tool returns. ``BranchPoint``
-and ``TurnsLeft`` are advisory: accepted and passed on with the next request, not acted on yet.
+tiers demote the waiting session and prefetch it back before the tool returns; a branch point
+keeps the turn's KV for its forks (give it before the turn whose end you fork at); turns left
+orders which session's KV is released first under pressure (fewest first).
 """
 
 from __future__ import annotations

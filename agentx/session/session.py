@@ -528,7 +528,8 @@ class Session:
         """Tell the runtime what comes next (``ToolLatency(8.0)``, ``BranchPoint(4)``,
         ``TurnsLeft(30)``, ``Priority(-1)``, ``Pin()``, ``Release()``, or keywords such as
         ``tool_latency=8.0``, ``priority=-1``, ``pin=True``, ``release=True``).
-        ``BranchPoint`` and ``TurnsLeft`` are advisory (see hints.py)."""
+        Hints travel with the next turn's request: ``BranchPoint(n)`` before the turn whose end
+        is forked, ``TurnsLeft(k)`` counts the turns after it (see hints.py)."""
         self._check_closed()
         for item in make_hints(hints, shorthand):
             if isinstance(item, Priority):

@@ -14,6 +14,11 @@ run). The coordinator lives in the caller's process and routes each turn::
                                                        loads D's blocks from the tier, prefills
                                                        the rest and hands over again
 
+The coordinator is an :class:`EngineBackend` (``Session(coordinator)``): a request naming held
+KV (``held_kv``) continues the session whose last turn left that handle on its D instance; one
+holding KV without naming any (``hold_kv``) starts a session named by its request id. Forks,
+pins, grammars and logprobs are not handed over (``capabilities`` says so).
+
 The caller sees one :class:`RequestStream` per request, as from an Engine: the first delta from
 P, the rest from D, usage counted over the whole request (``num_cached_tokens``: P's hits).
 Greedy tokens equal a colocated engine's: D continues from exactly the KV P computed, the
@@ -37,9 +42,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from agentx.config import DisaggConfig, EngineConfig
+from agentx.engine.backend import EngineBackend, EngineCapabilities, UnsupportedWarnings
 from agentx.engine.disagg.flight import (
     DisaggCounters,
     Flight,
@@ -48,6 +54,7 @@ from agentx.engine.disagg.flight import (
     num_new_tokens,
 )
 from agentx.engine.disagg.instance import EngineInstance
+from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.offload.mooncake_master import MooncakeMaster
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.parallel.bootstrap import refuse_spawn_while_bootstrapping
@@ -69,7 +76,7 @@ Prompt = str | Sequence[int]
 HandoverHook = Callable[[str, str], None]  # (stage: "export" | "import", request id)
 
 
-class DisaggCoordinator:
+class DisaggCoordinator(EngineBackend):
     """``disagg.num_prefill`` P and ``disagg.num_decode`` D instances built from ``config``.
 
     Raises ConfigError without a tier the instances share, InstanceDeadError if an instance
@@ -118,9 +125,12 @@ class DisaggCoordinator:
                 self.decode.append(EngineInstance(f"decode-{i}", config, context))
             for instance in self.instances:
                 instance.wait_started()
+            tokenizer, self.max_model_len, self._block_size = self.prefill[0].call("describe")
         except BaseException:
             self.close()
             raise
+        self.tokenizer = Tokenizer.from_cache_json(tokenizer)
+        self._warnings = UnsupportedWarnings("agentx-pd")
 
     @property
     def instances(self) -> list[EngineInstance]:
@@ -147,7 +157,14 @@ class DisaggCoordinator:
         if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
             raise InvalidRequestError("logprobs are not handed over P -> D: use one Engine")
         if options.hold_kv or options.held_kv is not None:
-            raise InvalidRequestError("the coordinator holds KV per session_id, not per handle")
+            if session_id is not None:
+                raise InvalidRequestError("the coordinator holds KV per session_id or per handle")
+            session_id = self._session_of(options.held_kv, request_id)
+            request_id = request_id if request_id is not None else f"pd-{next(self._ids)}"
+            session_id = session_id or request_id  # a new session, named by its first turn
+            options = replace(options, hold_kv=False, held_kv=None)
+        if options.draft_source is not None:
+            options = replace(options, draft_source=None)  # another process drafts its own
         self._check_open()
         prompt_ids = self._encode(prompt)
         with self._lock:
@@ -230,6 +247,66 @@ class DisaggCoordinator:
         instance = self.prefill[prefill] if stage == "prefill" else self.decode[decode]
         if stage in ("prefill", "decode"):
             call_quietly(instance.call, "abort", request_id)
+
+    # ---- held KV as handles (the EngineBackend interface) -------------------------------------
+
+    def _session_of(self, handle: str | None, request_id: str | None) -> str | None:
+        """The session whose held KV ``handle`` names (None: none does)."""
+        if handle is None:
+            return None
+        with self._lock:
+            for session_id, kv in self._sessions.items():
+                if kv.handle == handle:
+                    return session_id
+        return None
+
+    def fork_held(self, handle: str, num_forks: int) -> list[str]:
+        """Not handed over: forks start cold (``capabilities().fork_held`` is False)."""
+        self._warnings.warn("fork_held", "a fork's first turn prefills its whole context on P")
+        return []
+
+    def release_held_soon(self, handle: str, drop_cached: bool = False) -> None:
+        with self._lock:
+            found = [(s, kv) for s, kv in self._sessions.items() if kv.handle == handle]
+            for session_id, _ in found:
+                del self._sessions[session_id]
+        for _, kv in found:
+            self._release_soon(self.decode[kv.decode], kv.handle)
+
+    def release_held_eventually(self, handle: str) -> None:
+        """On the hand-over pool: a finalizer's thread may hold the coordinator's lock."""
+        self._submit(self.release_held_soon, handle)
+
+    def pin_held_soon(self, handle: str, pinned: bool = True) -> None:
+        if pinned:
+            self._warnings.warn("Pin", "held KV on a D instance is not pinned")
+
+    def capabilities(self) -> EngineCapabilities:
+        """Held KV is exact (D continues from P's KV, partial block included); what does not
+        cross processes is off."""
+        return EngineCapabilities(
+            name="agentx-pd",
+            block_size=self._block_size,
+            fork_held=False,
+            structured_outputs=False,
+            grammar_budget=False,
+            pin=False,
+            tool_latency=False,
+            draft_from_context=False,
+            export_held=False,
+            branch_point=False,
+        )
+
+    def stats(self) -> EngineStats:
+        """The live instances' counters summed (``kv_usage``: their mean)."""
+        per = list(self.instance_stats().values())
+        summed = {f.name: sum(getattr(s, f.name) for s in per) for f in fields(EngineStats)}
+        summed["kv_usage"] = summed["kv_usage"] / max(1, len(per))
+        return EngineStats(**summed)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def end_session(self, session_id: str) -> None:
         """The session ended: release its KV on its D instance."""
@@ -446,9 +523,3 @@ class DisaggCoordinator:
             flight.stream.fail(EngineClosedError("the P/D coordinator was closed"))
         if self.master is not None:
             self.master.stop()
-
-    def __enter__(self) -> DisaggCoordinator:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

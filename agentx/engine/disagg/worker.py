@@ -139,6 +139,12 @@ class ServedEngine:
     def encode(self, text: str) -> list[int]:
         return self.engine.tokenizer.encode(text)
 
+    def describe(self) -> tuple[str, int, int]:
+        """The tokenizer (``Tokenizer.to_cache_json``), ``max_model_len`` and block size: what
+        the coordinator needs to stand in for an engine."""
+        engine = self.engine
+        return engine.tokenizer.to_cache_json(), engine.max_model_len, engine.core.kv.block_size
+
     def export_held(self, handle: str, include_tail: bool) -> KVExport | None:
         return self.engine.export_held(handle, include_tail)
 

@@ -12,8 +12,18 @@ by the next one. Held KV keeps every block of a finished turn (partial tail incl
 next turn of the same conversation resumes exactly where the last one stopped. Forking copies
 only the partial tail block (copy-on-write); full blocks are shared by reference. Unpinned held
 KV is a cache, not a reservation: under memory pressure it is released (in the KV policy's
-order; by default the session expected back last, then the oldest, first) and the next turn
-falls back to the prefix cache.
+order; by default the session expected back last, then the one with the fewest turns left
+(a ``TurnsLeft`` hint), then the oldest, first) and the next turn falls back to the prefix cache.
+
+A branch point (a turn carrying ``BranchPoint(n)``) holds its KV for the fan-out: it is not
+released for room until ``n`` forks of it were made, and each fork made while it waited is not
+released until a request adopts it (the fork's first turn starts). Then both are plain held KV
+again. A fan-out under pressure therefore never recomputes the context its forks share::
+
+    BranchPoint(3) turn ends -> held "p", forks_left=3      (pinned for the branch)
+    fork_held("p", [a, b])   -> forks_left=1; a, b pending  (pinned until adopted)
+    fork_held("p", [c])      -> forks_left=0; c pending     ("p" releasable again)
+    a's first turn adopts a  -> a gone (its blocks moved into the request)
 """
 
 from __future__ import annotations
@@ -32,13 +42,21 @@ class HeldKV:
     handle: str
     token_ids: list[int]  # the tokens whose KV the blocks hold, in order
     blocks: GroupBlocks  # per KV group: ceil(len(token_ids) / block_size) blocks
-    pinned: bool = False
+    pinned: bool = False  # a Pin hint: never released for room
     last_used: int = 0
+    forks_left: int = 0  # a branch point waiting for this many more forks: not released
+    fork_pending: bool = False  # a fork of a waiting branch point, not adopted yet: not released
+    turns_left: int | None = None  # the session's last TurnsLeft hint (None: not hinted)
     cache_salt: bytes = b""  # the salt of the request that wrote it: only that salt extends it
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_protected(self) -> bool:
+        """Not a candidate for release under pressure (pinned, or held for a branch)."""
+        return self.pinned or self.forks_left > 0 or self.fork_pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +95,18 @@ class HeldKVManager:
         return self._held.get(handle) if handle is not None else None
 
     def add(
-        self, handle: str, token_ids: list[int], blocks: GroupBlocks, cache_salt: bytes = b""
+        self,
+        handle: str,
+        token_ids: list[int],
+        blocks: GroupBlocks,
+        cache_salt: bytes = b"",
+        *,
+        num_forks: int = 0,
+        turns_left: int | None = None,
     ) -> HeldKV:
         """Take over ``blocks`` (their references move in) for ``token_ids``, written under
-        ``cache_salt``."""
+        ``cache_salt``. ``num_forks``: a branch point, held until that many forks were made.
+        ``turns_left``: the session's turns-left hint (orders release under pressure)."""
         self.release(handle)
         num_blocks = -(-len(token_ids) // self.block_size)
         excess = [b for group in blocks for b in reversed(group[num_blocks:])]
@@ -88,6 +114,8 @@ class HeldKVManager:
         kept = tuple(group[:num_blocks] for group in blocks)
         self._clock += 1
         held = HeldKV(handle, list(token_ids), kept, last_used=self._clock, cache_salt=cache_salt)
+        held.forks_left = num_forks
+        held.turns_left = turns_left
         self._held[handle] = held
         return held
 
@@ -113,7 +141,8 @@ class HeldKVManager:
         """Give each new handle the same held KV; None (nothing changed) if the pool is short.
 
         Full blocks are shared by reference; a partial tail block gets a private copy per
-        child, since each child will append different tokens into it.
+        child, since each child will append different tokens into it. Forks of a branch point
+        still waiting for forks count against it and are held until adopted.
         """
         src = self._held[handle]
         partial = src.num_tokens % self.block_size != 0
@@ -131,11 +160,13 @@ class HeldKVManager:
                     tail = self.pool.allocate_blocks(1)
                     copies.append(BlockCopy(group[-1].block_id, tail[0].block_id))
                 blocks.append(list(shared) + tail)
-            self.add(new, src.token_ids, tuple(blocks), src.cache_salt)
+            child = self.add(new, src.token_ids, tuple(blocks), src.cache_salt)
+            child.fork_pending = src.forks_left > 0
+        src.forks_left = max(0, src.forks_left - len(new_handles))
         return copies
 
     def get_candidates(self, keep: str | None = None) -> list[HeldCandidate]:
-        """Unpinned held KV but ``keep``, as the KV policy sees it (no side effects)."""
+        """Unprotected held KV but ``keep``, as the KV policy sees it (no side effects)."""
         return [
             HeldCandidate(
                 h.handle,
@@ -143,9 +174,10 @@ class HeldKVManager:
                 sum(1 for g in h.blocks for b in g if not b.is_null),
                 h.last_used,
                 self.expected_return.get(h.handle),
+                h.turns_left,
             )
             for h in self._held.values()
-            if not h.pinned and h.handle != keep
+            if not h.is_protected and h.handle != keep
         ]
 
     def reclaim(self, num_blocks: int, keep: str | None = None) -> None:
@@ -166,6 +198,11 @@ class HeldKVManager:
             if self.pool.num_free_blocks >= num_blocks:
                 return
             self.release(handle)
+
+    def check_integrity(self) -> None:
+        for held in self._held.values():
+            assert held.forks_left >= 0, f"{held.handle}: forks_left {held.forks_left}"
+            assert held.turns_left is None or held.turns_left >= 0, f"{held.handle}: turns_left"
 
     def iter_blocks(self) -> Iterator[KVBlock]:
         for held in self._held.values():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentx.engine.hints import BranchPoint, TurnsLeft
 from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
 from agentx.engine.kv_cache.hashing import BlockHash
@@ -183,12 +184,27 @@ class KVCacheManager:
         return self.coordinator.trim(request.request_id, request.num_computed_tokens)
 
     def hold(self, request: Request) -> None:
-        """Hold a finished request's KV under its id for a request that names it in ``held_kv``."""
+        """Hold a finished request's KV under its id for a request that names it in ``held_kv``.
+        Its hints act on the hold: ``BranchPoint(n)`` keeps it until n forks were made,
+        ``TurnsLeft(k)`` orders its release under pressure (held.py)."""
         self.trim_slots(request)
         self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         blocks = self.coordinator.take(request.request_id)
         tokens = request.all_token_ids[: request.num_computed_tokens]
-        self.held.add(request.request_id, tokens, blocks, request.cache_salt)
+        num_forks, turns_left = 0, None
+        for hint in request.hints:  # the last of each kind wins, as the session sent them
+            if isinstance(hint, BranchPoint):
+                num_forks = hint.num_forks
+            elif isinstance(hint, TurnsLeft):
+                turns_left = hint.num_turns
+        self.held.add(
+            request.request_id,
+            tokens,
+            blocks,
+            request.cache_salt,
+            num_forks=num_forks,
+            turns_left=turns_left,
+        )
 
     def finish_turn(self, request: Request, hold: bool) -> None:
         """A completed turn: ask the policy (``on_turn_end``), then hold or free its KV and
@@ -321,6 +337,7 @@ class KVCacheManager:
         """Pool invariants, plus: each held block's ref count equals the number of holders."""
         self.pool.check_integrity()
         self.coordinator.check_integrity()
+        self.held.check_integrity()
         holders: dict[int, int] = {}
         for m in self.coordinator.managers:
             for blocks in m.req_to_blocks.values():

@@ -16,7 +16,8 @@ touches a block, a reference count or a queue::
 
 Every hook has a default equal to the built-in behaviour, so a policy overrides only what it
 means to change: least recently used release of held KV (the session expected back last goes
-first), nothing soft-pinned or demoted at turn end, demote on a tool wait and prefetch
+first; among equals, the session with the fewest turns left), nothing soft-pinned or demoted
+at turn end, demote on a tool wait and prefetch
 ``prefetch_margin_s`` before the tool returns. The retention built-ins (``IntervalRetention``,
 ``MarconiRetention``, ``NoRetention`` in ``retention.py``) are KV policies that override
 ``plan_checkpoints``. Block-level eviction stays the pool's O(1) LRU queue: a policy orders it
@@ -29,6 +30,7 @@ engine. The records they get are copies; mutating them changes nothing.
 
 from __future__ import annotations
 
+import math
 from abc import ABC
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,6 +86,7 @@ class HeldCandidate:
     num_blocks: int  # pool blocks it references, every group
     last_used: int  # a tick, larger: held more recently
     expected_return: float | None  # when a tool-latency hint expects its session back
+    turns_left: int | None = None  # its session's TurnsLeft hint (None: not hinted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +136,10 @@ class KVPolicy(ABC):  # noqa: B024 (every hook has a default: override what you 
 
         Return handles of ``candidates``; the named ones are released first, in that order;
         those not named follow in the default order only if still short (a policy cannot
-        starve the pool). Default: the session expected back last first, then least recently
-        used first.
+        starve the pool). Default: the session expected back last first, then the session with
+        the fewest turns left (``TurnsLeft``; not hinted counts as more than any), then least
+        recently used first. Held KV pinned (``Pin``) or held for a branch (``BranchPoint``,
+        see held.py) is never a candidate.
         """
         return default_eviction_order(candidates)
 
@@ -145,9 +150,15 @@ class KVPolicy(ABC):  # noqa: B024 (every hook has a default: override what you 
 
 
 def default_eviction_order(candidates: Sequence[HeldCandidate]) -> list[str]:
-    """The built-in release order: expected back last first, then least recently used."""
-    ordered = sorted(candidates, key=lambda c: (-(c.expected_return or 0.0), c.last_used))
-    return [c.handle for c in ordered]
+    """The built-in release order: expected back last first, then fewest turns left (a session
+    about to end needs its KV least; TurnsLeft(0): it just had its last turn), then least
+    recently used."""
+
+    def key(c: HeldCandidate) -> tuple[float, float, int]:
+        turns = math.inf if c.turns_left is None else c.turns_left
+        return (-(c.expected_return or 0.0), turns, c.last_used)
+
+    return [c.handle for c in sorted(candidates, key=key)]
 
 
 class LRUPolicy(KVPolicy):

@@ -229,6 +229,8 @@ class VLLMEngine(EngineBackend):
             draft_from_context=False,
             export_held=False,
             session_affinity=self.config.data_parallel_size > 1,
+            branch_point=False,
+            turns_left=False,
         )
 
     @property

@@ -33,6 +33,7 @@ from agentx.session.tool_formats import (
 __all__ = [
     "ToolCallParser",
     "ToolCallStreamFilter",
+    "render_raw_call",
     "render_tool_calls",
     "render_tools_system_prompt",
 ]
@@ -63,6 +64,17 @@ def render_tool_calls(calls: list[ToolCall], tool_format: ToolCallFormat | None 
         batch = []
     parts.append(fmt.render_calls(batch))
     return fmt.separator.join(part for part in parts if part)
+
+
+def render_raw_call(
+    name: str, arguments_text: str, tool_format: ToolCallFormat | None = None
+) -> str:
+    """The markup of one call whose arguments are given as text, written as it is (a client's
+    arguments that are not a JSON object, replayed into history)."""
+    fmt = tool_format or _DEFAULT_FORMAT
+    placeholder = "\x00arguments\x00"
+    rendered = fmt.render_calls([{"name": name, "arguments": placeholder}])
+    return rendered.replace(json.dumps(placeholder, ensure_ascii=False), arguments_text)
 
 
 def _random_call_id() -> str:

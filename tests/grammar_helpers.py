@@ -10,7 +10,12 @@ import numpy as np
 
 from agentx.engine.structured import GrammarBackend, GrammarMatcher
 
-__all__ = ["Walk", "sample_any", "sample_short", "short_token_ids"]
+__all__ = [
+    "Walk",
+    "sample_any",
+    "sample_short",
+    "short_token_ids",
+]
 
 
 def short_token_ids(tokenizer) -> np.ndarray:

@@ -28,11 +28,11 @@ from typing import Any, ClassVar
 from agentx.errors import InvalidRequestError
 
 __all__ = [
-    "TOOL_CALL_FORMATS",
     "HermesFormat",
     "Llama3JsonFormat",
     "MalformedCall",
     "SmolLM2Format",
+    "TOOL_CALL_FORMATS",
     "ToolCallFormat",
     "detect_tool_call_format",
     "get_tool_call_format",

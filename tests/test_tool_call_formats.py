@@ -27,6 +27,7 @@ from agentx.session.tool_formats import (
     TOOL_CALL_FORMATS,
     ToolCallFormat,
     detect_tool_call_format,
+    format_for_tokenizer,
     get_tool_call_format,
 )
 from agentx.session.tools import make_tools
@@ -286,6 +287,37 @@ def test_tool_choice_walks_always_parse(smollm2_tokenizer, grammar_backend, fmt,
             assert set(call.arguments) == set(tool.parameters["required"]), (seed, text)
 
 
+def test_qwen_grammar_lets_the_model_write_its_tag_tokens(qwen_tokenizer):
+    """Qwen2.5's <tool_call> and </tool_call> are single added tokens, which llguidance never
+    matches as text: the format, bound to the vocabulary, names them by id."""
+    fmt = format_for_tokenizer(qwen_tokenizer)
+    assert fmt.name == "hermes"
+    open_id, close_id = (
+        qwen_tokenizer.backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>")
+    )
+    assert fmt.markup_token_ids == {"<tool_call>": open_id, "</tool_call>": close_id}
+    tok = qwen_tokenizer
+    backend = GrammarBackend(tok.backend.to_str(), tok.vocab_size, frozenset(tok.eos_token_ids))
+    short = short_token_ids(tok)
+    for choice in ("auto", "required"):
+        spec = tool_call_grammar(TOOLS, choice, tool_format=fmt)
+        minimum = backend.min_tokens(spec)
+        reply = [
+            open_id,
+            *tok.encode('\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n'),
+            close_id,
+        ]
+        matcher = backend.new_matcher(spec)
+        assert all(matcher.accept(t) for t in reply) and matcher.is_accepting
+        for seed in range(8):
+            matcher = backend.new_matcher(spec, minimum + seed * 5)
+            walk = Walk(backend, matcher, short, seed)
+            text = tok.decode(walk.token_ids)
+            assert matcher.is_accepting, (seed, text)
+            _, parsed = counting_parser(fmt).parse(text)
+            assert all(call.ok for call in parsed) and (parsed or choice == "auto"), (seed, text)
+
+
 # ---- the real model ----------------------------------------------------------------------------
 
 
@@ -300,6 +332,7 @@ async def test_qwen_calls_add_with_tool_choice_auto():
         async with Session(engine, tools=[add], sampling=greedy) as session:
             assert session.tool_format.name == "hermes"
             reply = await session.send("What is 17 plus 25? Use the add tool.", tool_choice="auto")
-        assert [(c.name, c.arguments) for c in reply.tool_calls] == [("add", {"a": 17, "b": 25})]
+        got = [(c.name, c.arguments) for c in reply.tool_calls]
+        assert got == [("add", {"a": 17, "b": 25})], reply.content
     finally:
         engine.close()

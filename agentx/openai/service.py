@@ -62,7 +62,7 @@ from agentx.session.constraints import (
 from agentx.session.context import ChatContext
 from agentx.session.default import get_default_engine
 from agentx.session.tool_calls import ToolCallParser
-from agentx.session.tool_formats import ToolCallFormat, get_tool_call_format
+from agentx.session.tool_formats import ToolCallFormat, format_for_tokenizer
 
 __all__ = ["ChatService", "ChunkStream"]
 
@@ -140,8 +140,7 @@ class ChatService:
                 tokenizer = copy.copy(tokenizer)
                 tokenizer.chat_template = self.chat_template
                 tokenizer.get_compiled_chat_template()  # a template that does not parse fails now
-            name = getattr(tokenizer, "tool_call_format", None)
-            fmt = get_tool_call_format(name, tokenizer.chat_template)
+            fmt = format_for_tokenizer(tokenizer)
             self._parser = ToolCallParser(self._parser.id_factory, tool_format=fmt)
             vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
             self._max_token_chars = max((len(piece) for piece in vocab), default=1)

@@ -52,7 +52,11 @@ from agentx.session.messages import (
 )
 from agentx.session.tool_calls import ToolCallParser
 from agentx.session.tool_exec import execute_calls
-from agentx.session.tool_formats import ToolCallFormat, get_tool_call_format
+from agentx.session.tool_formats import (
+    ToolCallFormat,
+    format_for_tokenizer,
+    get_tool_call_format,
+)
 from agentx.session.tools import Tool, make_tools
 from agentx.session.turn import Turn
 
@@ -212,19 +216,9 @@ class Session:
         engine's, or the one its chat template shows."""
         return self._get_parser().format
 
-    def _known_format(self) -> ToolCallFormat | None:
-        """The format, if known without starting an engine."""
-        if self._parser is not None:
-            return self._parser.format
-        if self._tool_call_format is not None:
-            return get_tool_call_format(self._tool_call_format)
-        return None
-
     def _get_parser(self) -> ToolCallParser:
         if self._parser is None:
-            tokenizer = self.engine.tokenizer
-            name = self._tool_call_format or getattr(tokenizer, "tool_call_format", None)
-            fmt = get_tool_call_format(name, getattr(tokenizer, "chat_template", None))
+            fmt = format_for_tokenizer(self.engine.tokenizer, self._tool_call_format)
             self._parser = ToolCallParser(tool_format=fmt)
         return self._parser
 
@@ -252,7 +246,7 @@ class Session:
         tools = list(self.tools.values())
         # misuse raises before the engine starts (the format may need its chat template): a
         # first build uses the format known so far, the model's replaces it once all is valid
-        known = self._known_format()
+        known = self._parser.format if self._parser is not None else None
         constraint = make_turn_constraint(tools, tool_choice, response_format, tool_format=known)
         if constraint is not None:
             constraint.sampling_for(sampling, prefill)

@@ -21,8 +21,10 @@ does not know tools' Python functions, chat templates' rendering or the engine.
 
 from __future__ import annotations
 
+import copy
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agentx.errors import InvalidRequestError
@@ -35,6 +37,7 @@ __all__ = [
     "TOOL_CALL_FORMATS",
     "ToolCallFormat",
     "detect_tool_call_format",
+    "format_for_tokenizer",
     "get_tool_call_format",
 ]
 
@@ -62,6 +65,26 @@ class ToolCallFormat(ABC):
     # text that starts a call: a plain answer under "auto"/"none" may not start with these
     # characters nor contain ``opens`` (see constraints.py's TEXT rule)
     text_may_not_start_with: ClassVar[str] = "<"
+    # markup texts that are single added tokens of the model's vocabulary (Qwen2.5's
+    # <tool_call>): llguidance treats added tokens as special, never as the text they spell,
+    # so a grammar must name them by id or the model has to spell the tag out (and will not)
+    markup_token_ids: Mapping[str, int] = {}
+
+    def for_vocabulary(self, added_tokens: Mapping[str, int]) -> ToolCallFormat:
+        """This format with ``markup_token_ids`` taken from a vocabulary's added tokens (text
+        -> id); the same object when none of its markup is one."""
+        markup = [*self.opens, *([self.close] if self.close else [])]
+        ids = {text: added_tokens[text] for text in markup if text in added_tokens}
+        if not ids:
+            return self
+        bound = copy.copy(self)
+        bound.markup_token_ids = ids
+        return bound
+
+    def markup(self, text: str) -> str:
+        """A Lark rule body for markup ``text``: the literal, or that or its added token."""
+        token_id = self.markup_token_ids.get(text)
+        return _lit(text) if token_id is None else f"({_lit(text)} | <[{token_id}]>)"
 
     @classmethod
     @abstractmethod
@@ -175,10 +198,12 @@ class SmolLM2Format(ToolCallFormat):
 
     def calls_grammar(self, parallel_calls: bool) -> str:
         more = ' ("," " "? call)*' if parallel_calls else ""
-        return f"{_lit('<tool_call>[')} call{more} {_lit(']</tool_call>')}"
+        open_, close = self.markup("<tool_call>"), self.markup("</tool_call>")
+        return f'{open_} "[" call{more} "]" {close}'
 
     def empty_calls(self) -> str | None:
-        return _lit("<tool_call>[]</tool_call>")  # what the tools prompt asks for if none fits
+        # what the tools prompt asks for when no tool fits
+        return f'{self.markup("<tool_call>")} "[]" {self.markup("</tool_call>")}'
 
 
 class HermesFormat(ToolCallFormat):
@@ -198,7 +223,8 @@ class HermesFormat(ToolCallFormat):
         return "\n".join(f"<tool_call>\n{_dumps(call)}\n</tool_call>" for call in calls)
 
     def calls_grammar(self, parallel_calls: bool) -> str:
-        block = f"{_lit('<tool_call>' + chr(10))} call {_lit(chr(10) + '</tool_call>')}"
+        open_, close = self.markup("<tool_call>"), self.markup("</tool_call>")
+        block = f'{open_} "\\n" call "\\n" {close}'
         return f"{block} ({_lit(chr(10))} {block})*" if parallel_calls else block
 
 
@@ -245,6 +271,19 @@ def detect_tool_call_format(chat_template: str | None) -> ToolCallFormat:
         if chat_template and fmt.detects(chat_template):
             return fmt
     return next(iter(TOOL_CALL_FORMATS.values()))
+
+
+def format_for_tokenizer(tokenizer: Any, name: str | None = None) -> ToolCallFormat:
+    """The format of a model: ``name``, else the tokenizer's ``tool_call_format`` (from
+    ``EngineConfig``), else detected from its chat template; bound to its vocabulary's added
+    tokens (``ToolCallFormat.for_vocabulary``)."""
+    name = name or getattr(tokenizer, "tool_call_format", None)
+    fmt = get_tool_call_format(name, getattr(tokenizer, "chat_template", None))
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return fmt
+    added = {token.content: i for i, token in backend.get_added_tokens_decoder().items()}
+    return fmt.for_vocabulary(added)
 
 
 def get_tool_call_format(name: str | None, chat_template: str | None = None) -> ToolCallFormat:

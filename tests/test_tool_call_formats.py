@@ -163,6 +163,23 @@ def test_hermes_parallel_blocks_with_one_malformed_between():
     assert render_tool_calls(parsed, fmt) == text  # the malformed one replays as written
 
 
+FENCED = '```json\n{\n  "name": "add",\n  "arguments": {"a": 17, "b": 25}\n}\n```'
+
+
+def test_hermes_fenced_json_call_counts_and_other_fences_stay_text():
+    """Qwen2.5-Coder under tool_choice="auto" writes its call as a markdown JSON block."""
+    fmt = TOOL_CALL_FORMATS["hermes"]
+    assert counting_parser(fmt).parse("Sure.\n" + FENCED) == ("Sure.\n", calls(ADD))
+    data = '```json\n{"x": "```"}\n``` and ```json\n[1, 2'
+    assert counting_parser(fmt).parse(data) == (data, [])
+    shown, parsed = counting_parser(TOOL_CALL_FORMATS["smollm2"]).parse(FENCED)
+    assert (shown, parsed) == (FENCED, [])  # only Hermes reads fences
+    text = "a " + FENCED + " b " + data
+    expected = counting_parser(fmt).parse(text)
+    for cut in range(len(text) + 1):
+        assert _stream(fmt, [text[:cut], text[cut:]]) == expected, cut
+
+
 # ---- streaming ---------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ __all__ = [
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # SmolLM2's and Hermes's block markup
 _DEFAULT_FORMAT = SmolLM2Format()
+_FENCE_CLOSE = "```"
 _NAME_GUESS = re.compile(r"""["']name["']\s*:\s*["']([^"']+)["']""")
 
 
@@ -114,6 +115,16 @@ class ToolCallParser:
             return [self.malformed(raw, str(exc))]
         return [ToolCall(id=self.id_factory(), name=n, arguments=a) for n, a in entries]
 
+    def parse_fenced(self, raw: str) -> list[ToolCall] | None:
+        """The calls of a complete fenced block (``raw`` includes both fences), or None when its
+        content is not calls (then it is text)."""
+        content = raw[len(self.format.fence or "") : -len(_FENCE_CLOSE)]
+        try:
+            entries = self._decode_entries(content)
+        except MalformedCall:
+            return None
+        return [ToolCall(id=self.id_factory(), name=n, arguments=a) for n, a in entries]
+
     def malformed(self, raw: str, error: str) -> ToolCall:
         guess = _NAME_GUESS.search(raw)
         name = guess[1] if guess else ""
@@ -186,6 +197,9 @@ class ToolCallStreamFilter:
         self._pending = ""  # held-back text: a possible start of a block, or an open block so far
         self._in_block = False
         self._scan = _JsonScan(self._format.close)  # where an open block ends, pushes linear
+        fence = self._format.fence
+        self._opens = self._format.opens + ((fence,) if fence else ())
+        self._fenced = False  # the open block is a fenced one (text unless it holds calls)
         self._calls: list[ToolCall] = []
         self._num_taken = 0
         self._finished = False
@@ -205,7 +219,7 @@ class ToolCallStreamFilter:
             raise RuntimeError("finish() called twice")
         self._finished = True
         tail, self._pending = self._pending, ""
-        if not self._in_block:
+        if not self._in_block or self._fenced:  # an unclosed fence is text
             return tail, list(self._calls)
         close = self._format.close
         end = tail.find(close) if close is not None else -1
@@ -232,12 +246,17 @@ class ToolCallStreamFilter:
             end = self._scan.find_end(self._pending)
             if end < 0:
                 return False
-            self._calls += self.parser.parse_block(self._pending[:end])
+            raw = self._pending[:end]
+            calls = self.parser.parse_fenced(raw) if self._fenced else self.parser.parse_block(raw)
+            if calls is None:
+                shown.append(raw)
+            else:
+                self._calls += calls
             self._pending, self._in_block = self._pending[end:], False
             return True
-        found = [(i, o) for o in self._format.opens if (i := self._pending.find(o)) >= 0]
+        found = [(i, o) for o in self._opens if (i := self._pending.find(o)) >= 0]
         if not found:
-            cut = len(self._pending) - _partial_open_size(self._pending, self._format.opens)
+            cut = len(self._pending) - _partial_open_size(self._pending, self._opens)
             shown.append(self._pending[:cut])
             self._pending = self._pending[cut:]
             return False
@@ -245,8 +264,9 @@ class ToolCallStreamFilter:
         shown.append(self._pending[:start])
         self._pending, self._in_block = self._pending[start:], True
         # a closing tag is looked for after the opening; bare JSON is scanned from its start
-        position = len(open_) if self._format.close is not None else 0
-        self._scan = _JsonScan(self._format.close, position)
+        self._fenced = open_ == self._format.fence
+        close = _FENCE_CLOSE if self._fenced else self._format.close
+        self._scan = _JsonScan(close, len(open_) if close is not None else 0)
         return True
 
 
@@ -286,10 +306,10 @@ class _JsonScan:
                 if self.depth <= 0:
                     self.position = k + 1
                     return k + 1
-            elif close is not None and ch == "<" and text.startswith(close, k):
+            elif close is not None and ch == close[0] and text.startswith(close, k):
                 self.position = k
                 return k + len(close)
-            elif close is not None and ch == "<" and close.startswith(text[k:]):
+            elif close is not None and ch == close[0] and close.startswith(text[k:]):
                 break  # may be a closing tag still arriving
             k += 1
         self.position = k

@@ -47,24 +47,26 @@ class MalformedCall(Exception):
 
 
 class ToolCallFormat(ABC):
-    """One family's call syntax. Stateless; subclasses set the class attributes and keep only
-    what differs: the block shape (``opens``, ``close``), the content's decoding and rendering,
-    and the grammar rule for one or more calls.
+    """One family's call syntax. Never mutated (``for_vocabulary`` returns a copy); subclasses
+    set the class attributes and keep only what differs: the block shape (``opens``,
+    ``close``), the content's decoding and rendering, and the grammar rule for calls.
 
-    ``opens`` are the texts that start a block (the first found wins); ``content_starts_at_open``
-    says the open text is part of the content (bare JSON). ``close`` ends a block when found
-    outside a JSON string; ``None`` means the block ends where its top-level JSON value closes.
+    ``opens`` are the texts that start a block (the earliest in the text wins). ``close`` ends
+    a block when found outside a JSON string; ``None`` means the block ends where its
+    top-level JSON value closes (bare JSON, whose opening is part of the content).
     """
 
     name: ClassVar[str]
     opens: ClassVar[tuple[str, ...]]
     close: ClassVar[str | None]
-    content_starts_at_open: ClassVar[bool] = False
     arguments_key: ClassVar[str] = "arguments"
     separator: ClassVar[str] = ""  # between the renderings of consecutive groups of calls
     # text that starts a call: a plain answer under "auto"/"none" may not start with these
     # characters nor contain ``opens`` (see constraints.py's TEXT rule)
     text_may_not_start_with: ClassVar[str] = "<"
+    # A fenced block (```json ... ```) whose JSON decodes as calls counts as calls; any other
+    # stays text. None: fences are only text.
+    fence: ClassVar[str | None] = None
     # markup texts that are single added tokens of the model's vocabulary (Qwen2.5's
     # <tool_call>): llguidance treats added tokens as special, never as the text they spell,
     # so a grammar must name them by id or the model has to spell the tag out (and will not)
@@ -108,7 +110,7 @@ class ToolCallFormat(ABC):
     def block_content(self, raw: str) -> str:
         """The JSON text of one complete block (``raw`` includes its markup)."""
         for open_ in self.opens:
-            if raw.startswith(open_) and not self.content_starts_at_open:
+            if raw.startswith(open_):
                 raw = raw[len(open_) :]
                 break
         if self.close is not None and raw.endswith(self.close):
@@ -214,6 +216,9 @@ class HermesFormat(ToolCallFormat):
     opens = ("<tool_call>",)
     close = "</tool_call>"
     separator = "\n"
+    # Qwen2.5-Coder, offered tools with tool_choice="auto", writes its call as a markdown JSON
+    # block ({"name": ..., "arguments": ...}) more often than in <tool_call> tags
+    fence = "```json"
 
     @classmethod
     def detects(cls, chat_template: str) -> bool:
@@ -235,7 +240,6 @@ class Llama3JsonFormat(ToolCallFormat):
     name = "llama3_json"
     opens = ("<|python_tag|>", '{"name"')
     close = None
-    content_starts_at_open = True
     arguments_key = "parameters"
     separator = "\n"
     text_may_not_start_with = "<{"

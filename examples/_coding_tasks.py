@@ -32,6 +32,7 @@ SYSTEM = (
 )
 TEST_TIMEOUT_S = 60
 OUTPUT_TAIL_CHARS = 1500
+LAST_REPLY_CHARS = 300  # of a failed task's last reply, on screen
 
 
 class TaskWorkspace:
@@ -106,7 +107,7 @@ async def run_task(engine, task: Path, max_turns: int, max_tokens: int) -> dict:
             "the tests are in the test_*.py file."
         )
         async with Session(engine, tools=workspace.tools(), system=SYSTEM, sampling=sampling) as s:
-            await s.run(ask, max_turns=max_turns, tool_choice="auto")
+            reply = await s.run(ask, max_turns=max_turns, tool_choice="auto")
             usage = s.total_usage
             turns = sum(1 for m in s.messages if m.role == "assistant")
         passed, _ = workspace.test()
@@ -119,6 +120,7 @@ async def run_task(engine, task: Path, max_turns: int, max_tokens: int) -> dict:
         "output_tokens": usage.output_tokens,
         "computed_tokens": usage.computed_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
+        "last_reply": reply.content.strip()[:LAST_REPLY_CHARS],
     }
 
 
@@ -137,6 +139,8 @@ async def run_tasks(engine, tasks_dir: Path, names: list[str], max_turns: int, m
             f"computed_tokens={result['computed_tokens']} {result['seconds']}s",
             flush=True,
         )
+        if not result["passed"]:
+            print(f"  last reply: {result['last_reply']!r}")
     num_passed = sum(r["passed"] for r in results)
     print(f"success rate: {num_passed}/{len(results)}")
     return results

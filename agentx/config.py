@@ -29,6 +29,10 @@ _KV_POLICY_HOOKS = ("plan_checkpoints", "on_turn_end", "choose_evictions", "on_t
 _KV_POLICY_ERRORS = ("fallback", "raise")
 
 
+# the names of agentx/session/tool_formats.py's registry (a test keeps them equal)
+TOOL_CALL_FORMATS = ("smollm2", "hermes", "llama3_json")
+
+
 def _check_ints(config: object, names: tuple[str, ...], minimum: int) -> None:
     """Each named field is an int (not a bool, not a float such as 2.5 or NaN) >= minimum."""
     for name in names:
@@ -429,8 +433,16 @@ class EngineConfig:
     # replay a CUDA graph captured at start for the next size up (the batch padded); () never
     # captures. Ignored on CPU.
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    # How the model writes tool calls (agentx/session/tool_formats.py): "smollm2", "hermes"
+    # (Qwen2.5) or "llama3_json"; None: detected from the chat template.
+    tool_call_format: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_format is not None and self.tool_call_format not in TOOL_CALL_FORMATS:
+            raise ConfigError(
+                f"tool_call_format must be one of {TOOL_CALL_FORMATS} or None, "
+                f"got {self.tool_call_format!r}"
+            )
         sizes = self.cuda_graph_batch_sizes
         if not isinstance(sizes, tuple) or any(
             not isinstance(n, int) or isinstance(n, bool) or n <= 0 for n in sizes

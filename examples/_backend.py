@@ -27,21 +27,31 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         help="agentx's drafting from context (default: SpeculativeConfig's)",
     )
+    parser.add_argument(
+        "--model",
+        help="agentx's model: a .gguf file or a Hugging Face folder (default: SmolLM2-135M)",
+    )
 
 
 @contextlib.contextmanager
-def open_engine(backend: str, speculative: str | None = None) -> Iterator[object | None]:
+def open_engine(
+    backend: str, speculative: str | None = None, model: str | None = None
+) -> Iterator[object | None]:
     """The engine for ``backend``; None means the process-wide default agentx engine."""
-    if backend == "agentx" and speculative is None:
+    if backend == "agentx" and speculative is None and model is None:
         yield None
         return
     if backend == "agentx":
         from agentx import Engine, EngineConfig, SpeculativeConfig
 
-        config = EngineConfig(speculative=SpeculativeConfig(enabled=speculative == "on"))
+        drafting = SpeculativeConfig() if speculative is None else None
+        drafting = drafting or SpeculativeConfig(enabled=speculative == "on")
+        config = EngineConfig(model=model, speculative=drafting)
         with Engine(config) as engine:
             yield engine
         return
+    if model is not None:
+        raise SystemExit("--model picks agentx's model (the vLLM backend loads its own)")
     if speculative is not None:
         raise SystemExit("--speculative is agentx's engine's switch (not the vLLM backend's)")
     from agentx.engine.vllm import VLLMEngine

@@ -25,11 +25,16 @@ them back: agents re-emit what they read (edits, quotes), and the engine drafts 
 the context it holds (``SpeculativeConfig``); each turn's line shows its decode rate and the
 drafts accepted (``--speculative off`` to compare).
 
+``--tasks examples/coding_tasks`` runs fix-the-bug tasks instead (``_coding_tasks.py``): each
+through a Session with list_files / read_file / write_file / run_tests tools, with the success
+rate and tokens per task (``--model`` for a larger model; SmolLM2-135M rarely fixes one).
+
 Run on this repository (about 20 s on a 2-core CPU)::
 
     python examples/coding_agent.py
     python examples/coding_agent.py --root ~/src/other --question '...' --pattern '...'
     python examples/coding_agent.py --repeat --speculative off
+    python examples/coding_agent.py --model qwen.gguf --tasks examples/coding_tasks
 """
 
 from __future__ import annotations
@@ -200,10 +205,19 @@ async def main() -> None:
     parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--pattern", default=PATTERN, help="the grep pattern the user suggests")
     parser.add_argument("--repeat", action="store_true", help="a last turn re-emits the file")
+    parser.add_argument("--tasks", type=Path, help="a folder of fix-the-bug tasks to run")
+    parser.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
+    parser.add_argument("--max-turns", type=int, default=8, help="turns per task")
+    parser.add_argument("--max-tokens", type=int, default=512, help="output tokens per turn")
     add_backend_argument(parser)
     args = parser.parse_args()
-    with open_engine(args.backend, args.speculative) as engine:
-        await agent(engine, args)
+    with open_engine(args.backend, args.speculative, args.model) as engine:
+        if args.tasks is not None:
+            from _coding_tasks import run_tasks
+
+            await run_tasks(engine, args.tasks, args.task, args.max_turns, args.max_tokens)
+        else:
+            await agent(engine, args)
 
 
 async def agent(engine, args: argparse.Namespace) -> None:

@@ -15,12 +15,13 @@ from typing import Literal
 import numpy as np
 import pytest
 import torch
+from grammar_helpers import Walk, sample_any, sample_short
 from pydantic import BaseModel, TypeAdapter, validate_call
 
 from agentx import InvalidRequestError, SamplingParams, Session
 from agentx.engine.models.loader import default_model_path
 from agentx.engine.models.tokenizer import Tokenizer
-from agentx.engine.structured import GrammarBackend, GrammarMatcher, StructuredOutput
+from agentx.engine.structured import GrammarBackend, StructuredOutput
 from agentx.session.constraints import response_format_grammar, tool_call_grammar
 from agentx.session.tool_calls import ToolCallParser
 from agentx.session.tools import Tool, make_tools
@@ -133,46 +134,6 @@ def short_tokens(tokenizer) -> np.ndarray:
     return np.array([i for i in range(size) if len(tokenizer.token_to_text(i)) <= 2])
 
 
-class Walk:
-    """One output sampled at random under the budget: what was sampled, what was kept."""
-
-    def __init__(
-        self, backend: GrammarBackend, matcher: GrammarMatcher, short: np.ndarray, seed: int
-    ) -> None:
-        self.sampled: list[int] = []
-        self.token_ids: list[int] = []
-        rng = random.Random(seed)
-        bitmask = backend.allocate_bitmask(1)
-        while matcher.budget.num_left > 0 and not matcher.is_terminated:
-            matcher.fill_bitmask(bitmask, 0)
-            words = bitmask[0].numpy().view(np.uint32)
-            token_id = _sample_short(rng, words, short) if rng.random() < 0.5 else None
-            if token_id is None:
-                token_id = _sample_any(rng, words, backend.vocab_size)
-            self.sampled.append(token_id)
-            self.token_ids.append(matcher.commit(token_id))
-
-
-def _sample_short(rng: random.Random, words: np.ndarray, short: np.ndarray) -> int | None:
-    """Uniform among the ``short`` token ids the packed mask ``words`` allows, None if none."""
-    bits = (words[short >> 5] >> (short & 31).astype(np.uint32)) & 1
-    return _choose(rng, short[bits.astype(bool)])
-
-
-def _sample_any(rng: random.Random, words: np.ndarray, vocab_size: int) -> int:
-    """Uniform among the tokens the packed mask ``words`` allows."""
-    for _ in range(8):  # mostly enough: in a string most tokens are allowed
-        token_id = rng.randrange(vocab_size)
-        if (int(words[token_id >> 5]) >> (token_id & 31)) & 1:
-            return token_id
-    allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size]
-    return _choose(rng, np.flatnonzero(allowed))
-
-
-def _choose(rng: random.Random, token_ids: np.ndarray) -> int | None:
-    return int(token_ids[rng.randrange(len(token_ids))]) if len(token_ids) else None
-
-
 def budgets(minimum: int) -> list[int]:
     """One budget per seed: from the minimum to minimum + 59 (150 seeds), then a spread to
     minimum + 299 (the rest)."""
@@ -237,9 +198,9 @@ def test_closed_says_exactly_when_the_budget_decided(backend, short_tokens, case
             plain.fill_bitmask(rows, 1)
             decided |= not torch.equal(rows[0], rows[1])
             words = rows[0].numpy().view(np.uint32)
-            sampled = _sample_short(rng, words, short_tokens) if rng.random() < 0.5 else None
+            sampled = sample_short(rng, words, short_tokens) if rng.random() < 0.5 else None
             if sampled is None:
-                sampled = _sample_any(rng, words, backend.vocab_size)
+                sampled = sample_any(rng, words, backend.vocab_size)
             token_id = matcher.commit(sampled)
             decided |= token_id != sampled
             assert plain.accept(token_id)

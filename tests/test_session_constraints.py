@@ -67,7 +67,7 @@ ADD = ("add", {"a": 17, "b": 25})
 def test_required_grammar_is_a_union_of_per_tool_rules():
     grammar = tool_call_grammar(TOOLS, "required").grammar
     lines = grammar.splitlines()
-    assert lines[0] == 'start: "<tool_call>[" call ("," " "? call)* "]</tool_call>"'
+    assert lines[0] == 'start: "<tool_call>" "[" call ("," " "? call)* "]" "</tool_call>"'
     assert lines[1] == "call: call_0 | call_1 | call_2"
     assert lines[2] == 'call_0: "{\\"name\\": \\"ship\\", \\"arguments\\": " args_0 "}"'
     schema = json.loads(lines[3].removeprefix("args_0: %json "))

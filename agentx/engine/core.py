@@ -11,6 +11,7 @@ need text, so the scheduler cannot).
 
 from __future__ import annotations
 
+import copy
 import random
 import threading
 from collections.abc import Sequence
@@ -58,7 +59,8 @@ class EngineCore:
         checkpoint = load_checkpoint(
             config.model_path, DTYPES[config.dtype], keep_quantized=config.quantization != "none"
         )
-        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.tokenizer: Tokenizer = copy.copy(checkpoint.tokenizer)
+        self.tokenizer.tool_call_format = config.tool_call_format
         self.spec = checkpoint.spec
         self.runner: Executor = make_executor(config, checkpoint)
         checkpoint_path = checkpoint.path

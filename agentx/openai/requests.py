@@ -24,7 +24,8 @@ from typing import Any
 from agentx.engine.sampling import MAX_LOGPROBS, SamplingParams
 from agentx.errors import InvalidRequestError
 from agentx.session.messages import ToolCall
-from agentx.session.tool_calls import CLOSE, OPEN, render_tool_calls
+from agentx.session.tool_calls import render_raw_call, render_tool_calls
+from agentx.session.tool_formats import ToolCallFormat
 from agentx.session.tools import Tool
 
 __all__ = [
@@ -89,14 +90,15 @@ class ChatRequest:
         return self.system, json.dumps(specs, sort_keys=True)
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """Validate a request body (the JSON object a client posts)."""
+def parse_chat_request(body: Any, tool_format: ToolCallFormat | None = None) -> ChatRequest:
+    """Validate a request body (the JSON object a client posts); assistant tool calls are
+    rendered in ``tool_format`` (the model's; SmolLM2's by default)."""
     if not isinstance(body, Mapping):
         raise InvalidRequestError("the request body must be a JSON object")
     for name, reason in _REFUSED.items():
         if _given(body.get(name)):
             raise InvalidRequestError(f"{name}: {reason}")
-    system, messages, keys = _parse_messages(body.get("messages"))
+    system, messages, keys = _parse_messages(body.get("messages"), tool_format)
     n = _int(body, "n", 1)
     if not 1 <= n <= _MAX_CHOICES:
         raise InvalidRequestError(f"n must be between 1 and {_MAX_CHOICES}, got {n}")
@@ -136,7 +138,7 @@ def assistant_key(content: str | None, calls: list[ToolCall]) -> MessageKey:
 
 
 def _parse_messages(
-    raw: Any,
+    raw: Any, tool_format: ToolCallFormat | None = None
 ) -> tuple[str | None, list[dict[str, str]], list[MessageKey]]:
     if not isinstance(raw, list) or not raw:
         raise InvalidRequestError("messages must be a non-empty list")
@@ -145,13 +147,15 @@ def _parse_messages(
         system, raw = _text(raw[0].get("content"), "messages[0].content"), raw[1:]
     messages, keys = [], []
     for i, message in enumerate(raw, start=0 if system is None else 1):
-        template, key = _parse_message(message, f"messages[{i}]")
+        template, key = _parse_message(message, f"messages[{i}]", tool_format)
         messages.append(template)
         keys.append(key)
     return system, messages, keys
 
 
-def _parse_message(message: Any, where: str) -> tuple[dict[str, str], MessageKey]:
+def _parse_message(
+    message: Any, where: str, tool_format: ToolCallFormat | None
+) -> tuple[dict[str, str], MessageKey]:
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"{where} must be an object")
     role = message.get("role")
@@ -161,7 +165,7 @@ def _parse_message(message: Any, where: str) -> tuple[dict[str, str], MessageKey
         text = _text(message.get("content"), f"{where}.content")
         return {"role": "tool", "content": text}, ("tool", text.strip(), ())
     if role == "assistant":
-        return _parse_assistant(message, where)
+        return _parse_assistant(message, where, tool_format)
     if role not in _ROLES:
         raise InvalidRequestError(
             f"{where}.role must be system, developer, user, assistant or tool; got {role!r}"
@@ -170,19 +174,24 @@ def _parse_message(message: Any, where: str) -> tuple[dict[str, str], MessageKey
     return {"role": _ROLES[role], "content": text}, (_ROLES[role], text.strip(), ())
 
 
-def _parse_assistant(message: Mapping, where: str) -> tuple[dict[str, str], MessageKey]:
+def _parse_assistant(
+    message: Mapping, where: str, tool_format: ToolCallFormat | None
+) -> tuple[dict[str, str], MessageKey]:
     content = message.get("content")
     text = "" if content is None else _text(content, f"{where}.content")
     raw_calls = message.get("tool_calls") or []
     if not isinstance(raw_calls, list):
         raise InvalidRequestError(f"{where}.tool_calls must be a list")
-    calls = [_parse_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(raw_calls)]
+    calls = [
+        _parse_call(call, f"{where}.tool_calls[{i}]", tool_format)
+        for i, call in enumerate(raw_calls)
+    ]
     # the model's own markup for the calls, as it would have written them
-    rendered = text + render_tool_calls(calls)
+    rendered = text + render_tool_calls(calls, tool_format)
     return {"role": "assistant", "content": rendered}, assistant_key(text, calls)
 
 
-def _parse_call(raw: Any, where: str) -> ToolCall:
+def _parse_call(raw: Any, where: str, tool_format: ToolCallFormat | None) -> ToolCall:
     if not isinstance(raw, Mapping) or raw.get("type", "function") != "function":
         raise InvalidRequestError(f"{where} must be a function tool call")
     function = raw.get("function")
@@ -195,7 +204,7 @@ def _parse_call(raw: Any, where: str) -> ToolCall:
         decoded = None
     call_id, name = str(raw.get("id")), function["name"]
     if not isinstance(decoded, dict):  # rendered with the arguments text as it is
-        markup = f'{OPEN}[{{"name": {json.dumps(name)}, "arguments": {arguments}}}]{CLOSE}'
+        markup = render_raw_call(name, str(arguments), tool_format)
         return ToolCall(id=call_id, name=name, raw=markup, error="arguments are not an object")
     return ToolCall(id=call_id, name=name, arguments=decoded)
 

@@ -63,6 +63,7 @@ from agentx.session.constraints import (
 from agentx.session.context import ChatContext
 from agentx.session.default import get_default_engine
 from agentx.session.tool_calls import ToolCallParser
+from agentx.session.tool_formats import ToolCallFormat, format_for_tokenizer
 
 __all__ = ["ChatService", "ChunkStream"]
 
@@ -134,13 +135,16 @@ class ChatService:
         return self._engine
 
     def get_tokenizer(self, engine: Engine) -> Tokenizer:
-        """The engine's tokenizer, with ``chat_template`` when one was given."""
+        """The engine's tokenizer, with ``chat_template`` when one was given; the tool-call
+        parser follows its format from here on."""
         if self._tokenizer is None:
             tokenizer = engine.tokenizer
             if self.chat_template is not None:
                 tokenizer = copy.copy(tokenizer)
                 tokenizer.chat_template = self.chat_template
                 tokenizer.get_compiled_chat_template()  # a template that does not parse fails now
+            fmt = format_for_tokenizer(tokenizer)
+            self._parser = ToolCallParser(self._parser.id_factory, tool_format=fmt)
             vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
             self._max_token_chars = max((len(piece) for piece in vocab), default=1)
             self._tokenizer = tokenizer
@@ -261,7 +265,8 @@ class ChatService:
 
     def _prepare_call(self, engine: Engine, body: object, tenant: str | None) -> _Call:
         clock = RequestClock()
-        request = parse_chat_request(body)
+        tokenizer = self.get_tokenizer(engine)
+        request = parse_chat_request(body, self._parser.format)
         salt = cache_salt(tenant, request.tenant)
         setup = (*request.setup_key, salt)
         held = self._conversations.take(setup, request.keys)
@@ -271,8 +276,8 @@ class ChatService:
                 context, new = held.context, request.messages[len(held.keys) :]
             else:
                 specs = [tool.to_dict() for tool in request.tools] or None
-                tokenizer = self.get_tokenizer(engine)
-                context = ChatContext.with_tools(tokenizer, request.system, specs)
+                fmt = self._parser.format
+                context = ChatContext.with_tools(tokenizer, request.system, specs, fmt)
                 new = request.messages
                 self.check_text_fits(engine, len(request.system or ""))
             self.check_text_fits(engine, _num_chars(new))
@@ -315,7 +320,8 @@ class ChatService:
             context_left = engine.max_model_len - num_prompt_tokens
             max_tokens = max(1, min(self.default_max_tokens, context_left))
         sampling = replace(request.sampling, max_tokens=max_tokens)
-        constraint = _constraint(request)  # compiles the grammar: off the event loop
+        # compiles the grammar: off the event loop
+        constraint = _constraint(request, self._parser.format)
         if constraint is None:
             return sampling, bool(request.tools)
         return constraint.sampling_for(sampling, None), constraint.parse_tool_calls
@@ -381,7 +387,7 @@ class ChunkStream:
         self._end()
 
 
-def _constraint(request: ChatRequest) -> TurnConstraint | None:
+def _constraint(request: ChatRequest, fmt: ToolCallFormat) -> TurnConstraint | None:
     """The grammar of a request. With tools, ``tool_choice`` defaults to ``"auto"`` (OpenAI's
     default: text or calls, calls that parse); with a ``response_format`` too, ``"auto"`` is
     calls or the JSON answer, ``"none"`` the answer only, a forced call the call only."""
@@ -389,12 +395,12 @@ def _constraint(request: ChatRequest) -> TurnConstraint | None:
     parallel = request.parallel_tool_calls
     if not tools or answer is None:
         choice = "auto" if tools and choice is None else choice
-        return make_turn_constraint(tools, choice, answer, parallel_calls=parallel)
+        return make_turn_constraint(tools, choice, answer, parallel_calls=parallel, tool_format=fmt)
     if choice in (None, "auto"):
-        return calls_or_answer_constraint(tools, answer, parallel_calls=parallel)
+        return calls_or_answer_constraint(tools, answer, parallel_calls=parallel, tool_format=fmt)
     if choice == "none":
         return make_turn_constraint([], None, answer)
-    return make_turn_constraint(tools, choice, None, parallel_calls=parallel)
+    return make_turn_constraint(tools, choice, None, parallel_calls=parallel, tool_format=fmt)
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

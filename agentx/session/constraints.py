@@ -8,7 +8,8 @@ always parses and its arguments validate. This file owns translating those argum
 :class:`StructuredOutput` and a :class:`TurnConstraint` (how the session reads the reply). It
 does not know the engine, turns or async; grammars last one turn.
 
-Calls are written in the model's own syntax (``tool_calls.py``, SmolLM2's), one rule per tool::
+Calls are written in the model family's own syntax (its ``ToolCallFormat``, ``tool_formats.py``;
+SmolLM2's by default, shown here), one rule per tool::
 
     start: "<tool_call>[" call ("," " "? call)* "]</tool_call>"
     call: call_0 | call_1
@@ -38,6 +39,7 @@ something else. ``"auto"`` is ``start: TEXT | block``, where the block may be em
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -47,7 +49,7 @@ from pydantic import BaseModel
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.structured import COMPACT_JSON, StructuredOutput
 from agentx.errors import InvalidRequestError
-from agentx.session.tool_calls import CLOSE, OPEN
+from agentx.session.tool_formats import ToolCallFormat, get_tool_call_format
 from agentx.session.tools import Tool
 
 __all__ = [
@@ -68,8 +70,6 @@ ResponseFormat = type[BaseModel] | dict[str, Any]  # a model class | a JSON sche
 # llguidance's JSON options, read from the schema's "x-guidance" key: the engine's compact
 # separators, and unsupported keywords left to Tool.invoke instead of failing the grammar.
 _JSON_OPTIONS = {**COMPACT_JSON, "lenient": True}
-_TEXT = r"TEXT: /([^<](.|\n)*)?/ & ~/(.|\n)*<tool_call>(.|\n)*/"
-_MORE_CALLS = '("," " "? call)*'
 _MODES = {"auto": "auto", "required": "required", "any": "required", "none": "none"}
 
 # Where a JSON schema holds subschemas (for closing objects); everything else is data.
@@ -112,9 +112,10 @@ def make_turn_constraint(
     response_format: ResponseFormat | None = None,
     *,
     parallel_calls: bool = True,
+    tool_format: ToolCallFormat | None = None,
 ) -> TurnConstraint | None:
     """The constraint for one turn, None when neither argument is given; without
-    ``parallel_calls`` a reply holds at most one call."""
+    ``parallel_calls`` a reply holds at most one call, written in ``tool_format``."""
     if tool_choice is not None and response_format is not None:
         raise InvalidRequestError(
             "tool_choice and response_format cannot be combined: a reply is either tool calls "
@@ -123,7 +124,9 @@ def make_turn_constraint(
     if response_format is not None:
         structured, validate = response_format_grammar(response_format)
         return TurnConstraint(structured, parse_tool_calls=False, validate=validate)
-    structured = tool_call_grammar(tools, tool_choice, parallel_calls=parallel_calls)
+    structured = tool_call_grammar(
+        tools, tool_choice, parallel_calls=parallel_calls, tool_format=tool_format
+    )
     return None if structured is None else TurnConstraint(structured)
 
 
@@ -131,7 +134,11 @@ def make_turn_constraint(
 
 
 def tool_call_grammar(
-    tools: Sequence[Tool], choice: ToolChoice | None, *, parallel_calls: bool = True
+    tools: Sequence[Tool],
+    choice: ToolChoice | None,
+    *,
+    parallel_calls: bool = True,
+    tool_format: ToolCallFormat | None = None,
 ) -> StructuredOutput | None:
     """The grammar for ``tool_choice``: ``"auto"``, ``"required"``, ``"none"``, ``{"name": X}``
     (also OpenAI's ``{"type": "function", "function": {"name": X}}`` and Anthropic's
@@ -142,9 +149,10 @@ def tool_call_grammar(
     """
     if choice is None:
         return None
+    fmt = tool_format or get_tool_call_format(None)
     mode, name = _parse_choice(choice)
     if mode == "none" or (mode == "auto" and not tools):
-        return StructuredOutput(grammar=f"start: TEXT\n{_TEXT}\n")
+        return StructuredOutput(grammar=f"start: TEXT\n{_text_rule(fmt)}\n")
     if not tools:
         raise InvalidRequestError(f"tool_choice={choice!r} needs tools; none are declared")
     chosen = list(tools)
@@ -155,7 +163,7 @@ def tool_call_grammar(
             raise InvalidRequestError(
                 f"tool_choice names {name!r}, which is not a declared tool (tools: {known})"
             )
-    grammar = _calls_grammar(chosen, allow_text=mode == "auto", parallel_calls=parallel_calls)
+    grammar = _calls_grammar(fmt, chosen, mode == "auto", parallel_calls=parallel_calls)
     return StructuredOutput(grammar=grammar)
 
 
@@ -178,27 +186,40 @@ def _parse_choice(choice: Any) -> tuple[str, str | None]:
 
 
 def _calls_grammar(
-    tools: list[Tool], allow_text: bool, answer: Schema | None = None, parallel_calls: bool = True
+    fmt: ToolCallFormat,
+    tools: list[Tool],
+    allow_text: bool,
+    answer: Schema | None = None,
+    parallel_calls: bool = True,
 ) -> str:
-    """Calls to ``tools`` (one only without ``parallel_calls``); with ``allow_text`` or plain
-    text, or with ``answer`` (a compiled JSON schema) or that JSON answer."""
-    open_, close = _literal(OPEN + "["), _literal("]" + CLOSE)
-    more = _MORE_CALLS if parallel_calls else ""
+    """Calls to ``tools`` in ``fmt`` (one only without ``parallel_calls``); with
+    ``allow_text`` or plain text, or with ``answer`` (a compiled JSON schema) or that answer."""
+    calls = fmt.calls_grammar(parallel_calls)
     if allow_text:
-        lines = ["start: TEXT | block", f"block: {open_} (call {more})? {close}"]
+        empty = fmt.empty_calls()
+        lines = ["start: TEXT | block", f"block: {calls}" + (f" | {empty}" if empty else "")]
     elif answer is not None:
-        lines = ["start: answer | block", f"block: {open_} call {more} {close}"]
+        lines = ["start: answer | block", f"block: {calls}"]
         lines.append(f"answer: %json {json.dumps(answer)}")
     else:
-        lines = [f"start: {open_} call {more} {close}"]
+        lines = [f"start: {calls}"]
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     for i, tool in enumerate(tools):
-        head = _literal(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
-        lines.append(f'call_{i}: {head} args_{i} "}}"')
+        head, tail = _literal(fmt.call_head(tool.name)), _literal(fmt.call_tail)
+        lines.append(f"call_{i}: {head} args_{i} {tail}")
         lines.append(f"args_{i}: %json {json.dumps(_json_schema(tool.parameters))}")
     if allow_text:
-        lines.append(_TEXT)
+        lines.append(_text_rule(fmt))
     return "\n".join(lines) + "\n"
+
+
+def _text_rule(fmt: ToolCallFormat) -> str:
+    """Plain text: not starting with a character a call starts with, never holding a call's
+    opening."""
+    first = re.escape(fmt.text_may_not_start_with)
+    opens = "|".join(re.escape(o) for o in fmt.opens)
+    opens = opens if len(fmt.opens) == 1 else f"({opens})"
+    return rf"TEXT: /([^{first}](.|\n)*)?/ & ~/(.|\n)*{opens}(.|\n)*/"
 
 
 def _literal(text: str) -> str:
@@ -207,7 +228,11 @@ def _literal(text: str) -> str:
 
 
 def calls_or_answer_constraint(
-    tools: Sequence[Tool], response_format: ResponseFormat, *, parallel_calls: bool = True
+    tools: Sequence[Tool],
+    response_format: ResponseFormat,
+    *,
+    parallel_calls: bool = True,
+    tool_format: ToolCallFormat | None = None,
 ) -> TurnConstraint:
     """``tool_choice="auto"`` together with ``response_format`` (what the OpenAI API allows
     and agent frameworks send for an agent with tools and a typed output): the reply is tool
@@ -216,9 +241,9 @@ def calls_or_answer_constraint(
     structured, validate = response_format_grammar(response_format)
     if not tools:
         return TurnConstraint(structured, parse_tool_calls=False, validate=validate)
-    grammar = _calls_grammar(
-        list(tools), allow_text=False, answer=structured.json_schema, parallel_calls=parallel_calls
-    )
+    fmt = tool_format or get_tool_call_format(None)
+    answer = structured.json_schema
+    grammar = _calls_grammar(fmt, list(tools), False, answer=answer, parallel_calls=parallel_calls)
     return TurnConstraint(StructuredOutput(grammar=grammar))
 
 

@@ -38,7 +38,11 @@ from typing import Any
 
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.errors import InvalidRequestError
-from agentx.session.tool_calls import render_tools_system_prompt
+from agentx.session.tool_formats import (
+    ToolCallFormat,
+    detect_tool_call_format,
+    get_tool_call_format,
+)
 
 __all__ = ["ChatContext"]
 
@@ -99,14 +103,27 @@ class ChatContext:
 
     @classmethod
     def with_tools(
-        cls, tokenizer: Tokenizer, system: str | None, tools: list[dict[str, Any]] | None
+        cls,
+        tokenizer: Tokenizer,
+        system: str | None,
+        tools: list[dict[str, Any]] | None,
+        tool_format: ToolCallFormat | None = None,
     ) -> ChatContext:
         """A context whose first message offers ``tools`` (``Tool.to_dict()`` dicts) the way
-        the model expects: a template that renders tools gets them, otherwise (SmolLM2) the
-        system message carries the model's own function-calling prompt after ``system``."""
+        the model expects: a template that renders tools gets them (in the shape the format's
+        family expects; Qwen's lists them in its system turn), otherwise (SmolLM2) the system
+        message carries the format's own function-calling prompt after ``system``.
+        ``tool_format`` defaults to the one detected from the template."""
+        fmt = tool_format or detect_tool_call_format(tokenizer.chat_template)
         native = bool(tools) and "tools" in (tokenizer.chat_template or "")
-        tools_prompt = render_tools_system_prompt(tools) if tools and not native else None
-        return cls(tokenizer, system, tools_prompt, tools=tools if native else None)
+        if not tools:
+            return cls(tokenizer, system)
+        if native:
+            return cls(tokenizer, system, tools=fmt.template_tools(tools))
+        tools_prompt = fmt.tools_system_prompt(tools)
+        if tools_prompt is None:  # the format expects the template to list them; it cannot
+            tools_prompt = get_tool_call_format("smollm2").tools_system_prompt(tools)
+        return cls(tokenizer, system, tools_prompt)
 
     # --- state ------------------------------------------------------------------------------
 

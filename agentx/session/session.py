@@ -52,6 +52,11 @@ from agentx.session.messages import (
 )
 from agentx.session.tool_calls import ToolCallParser
 from agentx.session.tool_exec import execute_calls
+from agentx.session.tool_formats import (
+    ToolCallFormat,
+    format_for_tokenizer,
+    get_tool_call_format,
+)
 from agentx.session.tools import Tool, make_tools
 from agentx.session.turn import Turn
 
@@ -98,7 +103,13 @@ class Session:
         tools=None,
         sampling: SamplingParams | None = None,
         cache_salt: str | None = None,
+        tool_call_format: str | None = None,
     ) -> None:
+        """``tool_call_format`` names how the model writes tool calls ("smollm2", "hermes",
+        "llama3_json"; ``tool_formats.py``); None: the engine's (``EngineConfig``), else the
+        one detected from its chat template."""
+        if tool_call_format is not None:
+            get_tool_call_format(tool_call_format)  # an unknown name fails here
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a str or None, got {cache_salt!r}")
         # what this session holds in the engine; a session dropped without close() gives it
@@ -110,7 +121,8 @@ class Session:
         self.system = system
         self.tools: dict[str, Tool] = make_tools(tools)
         self.sampling = sampling or _DEFAULT_SAMPLING
-        self._parser = ToolCallParser()
+        self._tool_call_format = tool_call_format
+        self._parser: ToolCallParser | None = None  # made for the engine's format on first use
         self._context: ChatContext | None = None
         self._messages: list[Message] = []
         self._pending: list[dict] = []  # tool results and messages for the next turn
@@ -194,8 +206,21 @@ class Session:
     def _ensure_context(self) -> ChatContext:
         if self._context is None:
             specs = [t.to_dict() for t in self.tools.values()] or None
-            self._context = ChatContext.with_tools(self.engine.tokenizer, self.system, specs)
+            tokenizer, fmt = self.engine.tokenizer, self.tool_format
+            self._context = ChatContext.with_tools(tokenizer, self.system, specs, fmt)
         return self._context
+
+    @property
+    def tool_format(self) -> ToolCallFormat:
+        """How this session's model writes tool calls: the Session's ``tool_call_format``, the
+        engine's, or the one its chat template shows."""
+        return self._get_parser().format
+
+    def _get_parser(self) -> ToolCallParser:
+        if self._parser is None:
+            fmt = format_for_tokenizer(self.engine.tokenizer, self._tool_call_format)
+            self._parser = ToolCallParser(tool_format=fmt)
+        return self._parser
 
     # ---- turns -------------------------------------------------------------------------------
 
@@ -218,13 +243,23 @@ class Session:
         (InvalidRequestError, raised here).
         """
         sampling = sampling or self.sampling
-        constraint = make_turn_constraint(list(self.tools.values()), tool_choice, response_format)
+        tools = list(self.tools.values())
+        # misuse raises before the engine starts (the format may need its chat template): a
+        # first build uses the format known so far, the model's replaces it once all is valid
+        known = self._parser.format if self._parser is not None else None
+        constraint = make_turn_constraint(tools, tool_choice, response_format, tool_format=known)
         if constraint is not None:
+            constraint.sampling_for(sampling, prefill)
+            if known is None:
+                fmt = self.tool_format
+                constraint = make_turn_constraint(
+                    tools, tool_choice, response_format, tool_format=fmt
+                )
             sampling = constraint.sampling_for(sampling, prefill)
         new = list(self._pending)
         if message is not None:
             new.append(to_template_dict(coerce_message(message)))
-        return Turn(self, new, sampling, self._parser, prefill, constraint)
+        return Turn(self, new, sampling, self._get_parser(), prefill, constraint)
 
     async def send(
         self,
@@ -473,6 +508,7 @@ class Session:
             system=self.system,
             tools=list(self.tools.values()),
             cache_salt=self.cache_salt,
+            tool_call_format=self._tool_call_format,
         )
         child.sampling = self.sampling
         child._context = self._ensure_context().fork()

@@ -64,6 +64,9 @@ class Tokenizer:
         self.eos_token_id = eos_token_id  # the checkpoint's own eos; the template's ``eos_token``
         self.add_bos = add_bos
         self.chat_template = chat_template
+        # the model family's tool-call format by name (agentx/session/tool_formats.py), set
+        # from EngineConfig.tool_call_format; None: detected from the chat template
+        self.tool_call_format: str | None = None
         self._extra_eos_token_ids = tuple(sorted(set(extra_eos_token_ids)))
         eos = {eos_token_id} if eos_token_id is not None else set()
         self.eos_token_ids = frozenset(

@@ -1,0 +1,3 @@
+def is_even(n: int) -> bool:
+    """Whether n is even."""
+    return n % 2 == 1

@@ -1,0 +1,5 @@
+from calc import subtract
+
+
+def test_subtract():
+    assert subtract(10, 4) == 6

@@ -19,6 +19,7 @@ from agentx.engine.models.loader import default_model_path
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.structured import GrammarBackend
 from agentx.errors import InvalidRequestError
+from agentx.model_store import resolve
 from agentx.session.constraints import tool_call_grammar
 from agentx.session.context import ChatContext
 from agentx.session.messages import ToolCall
@@ -32,12 +33,11 @@ from agentx.session.tool_formats import (
 )
 from agentx.session.tools import make_tools
 
-QWEN_GGUF = Path(
-    os.environ.get("AGENTX_QWEN_GGUF", "/work/qwen/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
-)
+# `make test` pulls it (agentx models pull qwen2.5-coder-1.5b) into the cache
+QWEN_GGUF = Path(os.environ.get("AGENTX_QWEN_GGUF") or resolve("qwen2.5-coder-1.5b") or "absent")
 needs_qwen = pytest.mark.skipif(
     not QWEN_GGUF.is_file(),
-    reason=f"the Qwen2.5-Coder GGUF is not at {QWEN_GGUF} (set AGENTX_QWEN_GGUF)",
+    reason="qwen2.5-coder-1.5b is not pulled: agentx models pull qwen2.5-coder-1.5b",
 )
 FORMATS = list(TOOL_CALL_FORMATS.values())
 LLAMA31_TEMPLATE_PART = (
@@ -223,7 +223,7 @@ def smollm2_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="module")
 def qwen_tokenizer() -> Tokenizer:
     if not QWEN_GGUF.is_file():
-        pytest.skip(f"the Qwen2.5-Coder GGUF is not at {QWEN_GGUF} (set AGENTX_QWEN_GGUF)")
+        pytest.skip("qwen2.5-coder-1.5b is not pulled: agentx models pull qwen2.5-coder-1.5b")
     return Tokenizer.from_gguf(QWEN_GGUF)
 
 

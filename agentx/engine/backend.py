@@ -24,16 +24,17 @@ from typing import TYPE_CHECKING, Self
 from agentx.engine.hints import BranchPoint, Hint, Pin, Priority, Release, ToolLatency, TurnsLeft
 
 if TYPE_CHECKING:  # request.py imports the KV cache, which imports back into the engine
+    from agentx.engine.models.tokenizer import Tokenizer
     from agentx.engine.outputs import EngineStats
     from agentx.engine.request import RequestOptions
     from agentx.engine.sampling import SamplingParams
     from agentx.engine.streams import RequestStream
 
-__all__ = ["EngineBackend", "EngineCapabilities", "UnsupportedWarnings"]
+__all__ = ["EngineBackend", "EngineCapabilities", "Prompt", "UnsupportedWarnings"]
 
 logger = logging.getLogger("agentx.engine")
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int]  # text, or token ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +115,7 @@ class EngineBackend(abc.ABC):
         ``max_model_len``: the model context in tokens.
     """
 
-    tokenizer: object
+    tokenizer: Tokenizer
     max_model_len: int
 
     @abc.abstractmethod

@@ -26,7 +26,7 @@ from typing import Any
 
 import anyio
 
-from agentx.engine.client import Engine
+from agentx.engine.backend import EngineBackend
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import RequestStream
@@ -75,7 +75,7 @@ class _Call:
     clock: RequestClock | None
 
 
-def fim_tokens(engine: Engine) -> tuple[int, int, int] | None:
+def fim_tokens(engine: EngineBackend) -> tuple[int, int, int] | None:
     """The (prefix, suffix, middle) token ids of the model's fill-in-the-middle format."""
     backend = engine.tokenizer.backend
     for names in _FIM_TOKEN_SETS:
@@ -116,7 +116,7 @@ class CompletionService:
             raise
         return call
 
-    def _prepare(self, engine: Engine, body: object, tenant: str | None) -> _Call:
+    def _prepare(self, engine: EngineBackend, body: object, tenant: str | None) -> _Call:
         if not isinstance(body, Mapping):
             raise InvalidRequestError("the request body must be a JSON object")
         for name, reason in _REFUSED.items():
@@ -157,7 +157,9 @@ class CompletionService:
             raise
         return call
 
-    def _encode(self, engine: Engine, prompt: str | list[int], suffix: Any) -> tuple[list, str]:
+    def _encode(
+        self, engine: EngineBackend, prompt: str | list[int], suffix: Any
+    ) -> tuple[list, str]:
         """The prompt's token ids and the text echo shows."""
         tokenizer = engine.tokenizer
         if suffix is not None and not isinstance(suffix, str):

@@ -34,12 +34,13 @@ import itertools
 import multiprocessing
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from agentx.config import DisaggConfig, EngineConfig
+from agentx.engine.backend import Prompt
 from agentx.engine.disagg.flight import (
     DisaggCounters,
     Flight,
@@ -65,7 +66,6 @@ from agentx.errors import (
     RequestAbortedError,
 )
 
-Prompt = str | Sequence[int]
 HandoverHook = Callable[[str, str], None]  # (stage: "export" | "import", request id)
 
 

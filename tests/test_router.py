@@ -24,8 +24,6 @@ from agentx import (
 )
 from agentx.config import OffloadConfig, SchedulerConfig
 from agentx.engine.request import Request
-
-ROOT = os.path.dirname(os.path.dirname(agentx.__file__))
 from agentx.engine.router import (
     LeastLoadedPolicy,
     Migration,
@@ -36,6 +34,8 @@ from agentx.engine.router import (
     RouterStats,
     StickySessionPolicy,
 )
+
+ROOT = os.path.dirname(os.path.dirname(agentx.__file__))
 
 
 def _loads(*live: int) -> list[ReplicaLoad]:
@@ -74,7 +74,7 @@ def test_prefix_index_hashes_are_the_engines_block_hashes():
     )
     digests = set()
     for seed in ("1", "2"):  # another process, another str hash seed: the same names
-        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": ROOT, "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": ROOT}
         result = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
         )

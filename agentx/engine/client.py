@@ -293,9 +293,12 @@ def _return_freed_heap() -> None:
         try:
             _malloc_trim = ctypes.CDLL(None).malloc_trim
         except (AttributeError, OSError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
+            _malloc_trim = _no_trim
+    _malloc_trim(0)
 
 
-_malloc_trim: Callable[[int], int] | bool | None = None
+def _no_trim(pad: int) -> int:
+    return 0
+
+
+_malloc_trim: Callable[[int], int] | None = None

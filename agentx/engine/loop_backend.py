@@ -24,7 +24,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from agentx.engine.backend import EngineBackend, Prompt
 from agentx.engine.outputs import RequestOutput
@@ -143,10 +143,8 @@ class LoopBackend(EngineBackend, Generic[QueuedT]):
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None
     ) -> list[Generation]:
         """Run a batch of prompts to completion (blocking); results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            batch: Sequence[Prompt] = [prompts]  # type: ignore[list-item]
-        else:
-            batch = prompts  # type: ignore[assignment]
+        one = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        batch = cast("Sequence[Prompt]", [prompts] if one else prompts)
         streams: list[RequestStream] = []
         try:
             for prompt in batch:
@@ -284,4 +282,4 @@ def _make_options(options: RequestOptions | None, fields: dict[str, object]) -> 
         warn_renamed("add_request(extends=...)", "add_request(held_kv=...)", stacklevel=4)
         fields["held_kv"] = fields.pop("extends")
     options = options or RequestOptions()
-    return replace(options, **fields) if fields else options  # type: ignore[arg-type]
+    return replace(options, **fields) if fields else options

@@ -5,7 +5,8 @@ out (:class:`RequestStream`), a finished turn's KV held for the next turn (``hol
 ``held_kv`` on :class:`RequestOptions`), forks of held KV, priority, cache salt, abort,
 per-request cached-token counts (on every :class:`RequestOutput`), structured-output constraints
 (``SamplingParams.structured``), hints and stats. Two implementations: agentx's own
-:class:`~agentx.engine.client.Engine` and the vLLM backend (``agentx.engine.vllm``).
+:class:`~agentx.engine.client.Engine` and the vLLM backend (``agentx.engine.vllm``), both on the
+loop-thread base :class:`~agentx.engine.loop_backend.LoopBackend`.
 
 What a backend cannot honour it says in :meth:`EngineBackend.capabilities`, and warns once the
 first time a request asks for it: a hint is never dropped silently. This module knows nothing

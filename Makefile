@@ -55,6 +55,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff format --check agentx tests benchmarks examples
 	# the real coding model's tests (tests/test_qwen_coder.py): a no-op once it is in the cache
 	$(BIN)/agentx models pull qwen2.5-coder-1.5b
+	$(BIN)/pyright --pythonpath $(BIN)/python
 	@if ! command -v ip >/dev/null; then ns=""; \
 	elif unshare -n true 2>/dev/null; then ns="unshare -n"; \
 	elif unshare -rn true 2>/dev/null; then ns="unshare -rn"; else ns=""; fi; \
@@ -75,9 +76,12 @@ test-fast: $(STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples
 	$(BIN)/python -m pytest -q -m "not slow" --durations=10
 
+# pyright checks the public surface ([tool.pyright] in pyproject.toml); its node comes from a
+# PyPI wheel (pyright[nodejs]), so it runs offline
 lint: $(STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples
 	$(BIN)/ruff format --check agentx tests benchmarks examples
+	$(BIN)/pyright --pythonpath $(BIN)/python
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py

@@ -354,7 +354,7 @@ class ParallelConfig:
     ``tp`` and ``dcp`` combine (world ``tp * dcp``, tensor parallel innermost: ``rank =
     dcp_rank * tp + tp_rank``): rank (d, t) holds TP shard t's heads of the positions p with
     ``p % dcp == d``; TP all-reduces run in the tp group of one d, the DCP attention merge in
-    the dcp group of one t (``engine/parallel/worker.py``, ``rank_state``). DCP needs
+    the dcp group of one t (``engine/executors/worker.py``, ``rank_state``). DCP needs
     ``cache.block_size`` divisible by ``dcp`` and a full-attention model.
 
     ``pcp`` runs on the dcp ranks (``pcp == dcp``, ``tp == 1``; refused otherwise), so the KV

@@ -28,9 +28,9 @@ import torch.multiprocessing as mp
 
 from agentx import env
 from agentx.config import CacheConfig, EngineConfig, ParallelConfig
+from agentx.engine.executors.worker import rank_state
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.outputs import ScheduledRequest, SchedulerOutput
-from agentx.engine.parallel.worker import rank_state
 from agentx.engine.runner import ModelRunner
 from agentx.engine.runner.model_runner import DTYPES
 from agentx.engine.sampling import SamplingParams

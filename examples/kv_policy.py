@@ -123,7 +123,7 @@ def main() -> None:
         for handle, blocks, idle in policy.released:
             print(f"released first: {blocks} blocks idle {idle} turns ({handle[:8]}...)")
     print(
-        f"prefix cache: {stats.prefix_cache_hit_tokens}/{stats.prefix_cache_query_tokens} "
+        f"prefix cache: {stats.num_cached_tokens}/{stats.prefix_cache_query_tokens} "
         f"prompt tokens reused; cache integrity ok"
     )
 

@@ -172,7 +172,7 @@ async def session_demo(engine, t0: float) -> None:
             print(f"  {prompt!r} -> {gen.text!r} ({gen.usage.output_tokens} tokens)")
         stats = engine.stats()
         print(
-            f"engine prefix cache: {stats.prefix_cache_hit_tokens}/"
+            f"engine prefix cache: {stats.num_cached_tokens}/"
             f"{stats.prefix_cache_query_tokens} prompt tokens reused"
         )
 

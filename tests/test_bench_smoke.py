@@ -34,7 +34,7 @@ def test_replay_on_agentx_in_process():
 
     result, stats_after = asyncio.run(go())
     assert result.engine.engine == "agentx" and not result.interrupted
-    assert stats_after["prefix_cache_hit_tokens"] == stats.theoretical_hit_tokens
+    assert stats_after["num_cached_tokens"] == stats.theoretical_hit_tokens
     expected = {r.num_output_tokens for _, r in trace.iter_requests()}
     assert all(r.ok for r in result.records) and len(result.records) == 15
     assert {r.num_output_tokens for r in result.records} == expected

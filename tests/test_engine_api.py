@@ -1,5 +1,6 @@
 """The engine's contract: streaming, usage, stop conditions, sampling, aborts and errors."""
 
+import dataclasses
 import threading
 
 import anyio
@@ -16,6 +17,7 @@ from agentx import (
     SamplingParams,
     SamplingParamsError,
 )
+from agentx.engine.outputs import EngineStats
 from agentx.engine.request import Request
 
 pytestmark = pytest.mark.slow
@@ -323,3 +325,13 @@ def test_request_ids_never_clash_with_live_requests_or_held_kv(default_engine):
     )  # continuing from it under its own id is fine
     assert again.result(timeout=60).usage.cached_tokens > 0
     assert default_engine.core.kv.get_held("kept") is None
+
+
+def test_engine_stats_old_names_of_num_cached_tokens_warn_and_agree():
+    zeros = {field.name: 0 for field in dataclasses.fields(EngineStats)}
+    stats = EngineStats(**{**zeros, "num_cached_tokens": 48, "prefix_cache_query_tokens": 64})
+    assert stats.prefix_cache_hit_rate == 0.75
+    with pytest.warns(DeprecationWarning, match="prefix_cache_hit_tokens.*num_cached_tokens"):
+        assert stats.prefix_cache_hit_tokens == 48
+    with pytest.warns(DeprecationWarning, match="num_reused_tokens.*num_cached_tokens"):
+        assert stats.num_reused_tokens == 48

@@ -108,7 +108,7 @@ def test_prefix_cache_hit_keeps_tokens(make_engine_q, greedy_prompts, reference_
     for g, prompt in zip(gens, turn2, strict=True):
         assert g.usage.cached_tokens == (len(prompt) - 2) // 16 * 16
     stats = engine.stats()
-    assert stats.prefix_cache_hit_tokens == sum(g.usage.cached_tokens for g in warm + gens)
+    assert stats.num_cached_tokens == sum(g.usage.cached_tokens for g in warm + gens)
     engine.check_integrity()
 
 

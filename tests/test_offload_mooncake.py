@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentx.engine.kv_cache.hashing import hash_block
+from agentx.engine.block_hash import hash_block
 from agentx.engine.offload import HostTier, TieredStore
 from agentx.engine.offload import mooncake_master as launcher
 from agentx.errors import OffloadError
@@ -107,7 +107,7 @@ def test_put_get_roundtrip(master):
 PEER = textwrap.dedent(
     """
     import sys, torch
-    from agentx.engine.kv_cache.hashing import hash_block
+    from agentx.engine.block_hash import hash_block
     from agentx.engine.offload.mooncake import MooncakeTier
     H = lambda i: hash_block(None, [i])
     print("READY", flush=True)

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from agentx.engine.kv_cache.hashing import hash_block
+from agentx.engine.block_hash import hash_block
 from agentx.engine.offload import DiskTier, HostTier
 from agentx.errors import ConfigError
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from agentx.engine.kv_cache.hashing import hash_block
+from agentx.engine.block_hash import hash_block
 from agentx.engine.offload import (
     DiskTier,
     HostTier,

@@ -310,6 +310,9 @@ async def test_metrics(server, client):
             values[name] = float(value)
     assert values["agentx_num_generated_tokens_total"] >= 4
     assert values["agentx_kv_num_blocks"] > 0
+    cached = values["agentx_num_cached_tokens_total"]  # the old names still scrape the same
+    assert values["agentx_prefix_cache_hit_tokens_total"] == cached
+    assert values["agentx_num_reused_tokens_total"] == cached
     assert values['agentx_time_to_first_token_seconds_count{route="chat"}'] >= 1
     assert values['agentx_e2e_request_latency_seconds_count{route="chat"}'] >= 1
     assert values['agentx_inter_token_latency_seconds_count{route="chat"}'] >= 3

@@ -28,10 +28,10 @@ from agentx import (
     SamplingParams,
     SchedulerConfig,
 )
+from agentx.engine.executors.worker import WorkerCall, rank_state
 from agentx.engine.models.loader.safetensors import load_hf_folder
 from agentx.engine.models.qwen3_next import Qwen3NextForCausalLM
 from agentx.engine.parallel import ParallelState
-from agentx.engine.parallel.worker import WorkerCall, rank_state
 from agentx.kernels.ref import moe_expert_slots, moe_experts, sum_expert_slots, topk_softmax
 
 NUM_BLOCKS = 16  # four ~100-token requests sharing 4 prefix blocks do not fit: preemption

@@ -29,9 +29,9 @@ from parallel_helpers import (
 from test_parallel_tp import _config
 
 from agentx import ConfigError, Engine, ParallelConfig, SamplingParams
+from agentx.engine.executors.worker import WorkerCall
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.parallel import PrefillSplit, zigzag_rows
-from agentx.engine.parallel.worker import WorkerCall
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SMOLLM2_MIN_EXACT = 3

@@ -1,5 +1,5 @@
 """Tensor parallel x decode context parallel: tp=2, dcp=2, four worker processes (gloo on
-loopback), rank = dcp_rank * tp + tp_rank (``engine/parallel/worker.py``).
+loopback), rank = dcp_rank * tp + tp_rank (``engine/executors/worker.py``).
 
 Rank (d, t) holds KV head shard t of the positions p with p % 2 == d. The test reads every
 rank's KV pool after one prompt and finds exactly that: each rank's page is its shard of the

@@ -9,7 +9,7 @@ import torch
 
 from agentx import CacheConfig, Engine, EngineConfig
 from agentx.config import OffloadConfig
-from agentx.engine.kv_cache.hashing import hash_block
+from agentx.engine.block_hash import hash_block
 from agentx.engine.offload import mooncake_master as launcher
 from agentx.errors import OffloadError
 

@@ -1,13 +1,17 @@
 """The data-parallel session router: sticky sessions, cold first turns to the least loaded, and
 a waiting session migrating with its KV off an overloaded replica through a shared disk tier."""
 
+import os
 import queue
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 
 import pytest
 import torch
 
+import agentx
 from agentx import (
     CacheConfig,
     ConfigError,
@@ -19,6 +23,7 @@ from agentx import (
     SamplingParams,
 )
 from agentx.config import OffloadConfig, SchedulerConfig
+from agentx.engine.request import Request
 from agentx.engine.router import (
     LeastLoadedPolicy,
     Migration,
@@ -29,6 +34,8 @@ from agentx.engine.router import (
     RouterStats,
     StickySessionPolicy,
 )
+
+ROOT = os.path.dirname(os.path.dirname(agentx.__file__))
 
 
 def _loads(*live: int) -> list[ReplicaLoad]:
@@ -44,6 +51,35 @@ def test_sticky_keeps_a_session_and_sends_first_turns_to_the_least_loaded():
     assert policy.home == {"a": 1, "b": 0}
     policy.forget("a")
     assert policy.choose("a", _loads(0, 9)) == 0
+
+
+def test_prefix_index_hashes_are_the_engines_block_hashes():
+    """The router names blocks as the replicas' prefix caches do (blake2b chains over the
+    token ids and the cache salt), not with Python's per-process ``hash()``."""
+    tokens = list(range(3, 40))
+    index = PrefixIndex(2, block_tokens=8)
+    for salt in (None, "tenant-a"):
+        request = Request(
+            "r",
+            tokens,
+            SamplingParams(),
+            block_size=8,
+            cache_salt=salt.encode() if salt else b"",
+        )
+        assert index.hashes(tokens, salt) == request.block_hashes
+        assert len(request.block_hashes) == 4
+    code = (
+        "from agentx.engine.router import PrefixIndex; "
+        "print(PrefixIndex(1, block_tokens=8).hashes(list(range(3, 40)), 'tenant-a')[-1].hex())"
+    )
+    digests = set()
+    for seed in ("1", "2"):  # another process, another str hash seed: the same names
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": ROOT}
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        )
+        digests.add(result.stdout.strip())
+    assert digests == {index.hashes(tokens, "tenant-a")[-1].hex()}
 
 
 def test_prefix_index_matches_whole_leading_blocks_per_replica():

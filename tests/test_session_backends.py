@@ -5,6 +5,7 @@ constraints, hints and errors. Where the backends differ the test reads it from
 Prompts differ from test_session.py's: the engines are shared, and a prompt another test already
 sent would hit that test's cached blocks (a longer hit than the held turn's)."""
 
+import contextlib
 import importlib.util
 import time
 
@@ -64,6 +65,31 @@ async def cold_text(engine, prompt, sampling):
         pass
     assert stream.final.num_cached_tokens == 0
     return stream.text
+
+
+async def test_stream_and_generate_on_every_backend(session_engine):
+    """The loop-thread plumbing both backends share (engine/loop_backend.py): ``stream()``
+    yields a request's deltas until the final one, and leaving it early aborts the request;
+    ``generate`` runs a batch to completion in prompt order."""
+    engine = session_engine
+    sampling = SamplingParams(max_tokens=5, ignore_eos=True)
+    outs = [out async for out in engine.stream("Name three colours:", sampling)]
+    assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+    assert sum(len(out.new_token_ids) for out in outs) == 5
+
+    before = wait_idle(engine).num_generated_tokens
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    async with contextlib.aclosing(engine.stream("Tell a very long story:", long)) as stream:
+        async for out in stream:
+            assert not out.finished
+            break
+    after = wait_idle(engine)  # the abort reached the loop: nothing live, far from 400 tokens
+    assert engine.get_num_live_requests() == 0
+    assert after.num_generated_tokens - before < 400
+
+    gens = engine.generate(["One, two,", [1, 2, 3]], sampling)
+    assert [len(g.token_ids) for g in gens] == [5, 5]
+    assert gens[0].prompt_token_ids != gens[1].prompt_token_ids == [1, 2, 3]
 
 
 @pytest.mark.skipif(

@@ -143,4 +143,4 @@ def test_warmed_up_engine_generates_what_a_fresh_runner_does(make_engine, greedy
     first = run("first")
     engine.generate([greedy_prompts[3]], sampling)
     assert run("again") == first
-    assert engine.stats().prefix_cache_hit_tokens == 0
+    assert engine.stats().num_cached_tokens == 0

@@ -5,7 +5,8 @@ out (:class:`RequestStream`), a finished turn's KV held for the next turn (``hol
 ``held_kv`` on :class:`RequestOptions`), forks of held KV, priority, cache salt, abort,
 per-request cached-token counts (on every :class:`RequestOutput`), structured-output constraints
 (``SamplingParams.structured``), hints and stats. Two implementations: agentx's own
-:class:`~agentx.engine.client.Engine` and the vLLM backend (``agentx.engine.vllm``).
+:class:`~agentx.engine.client.Engine` and the vLLM backend (``agentx.engine.vllm``), both on the
+loop-thread base :class:`~agentx.engine.loop_backend.LoopBackend`.
 
 What a backend cannot honour it says in :meth:`EngineBackend.capabilities`, and warns once the
 first time a request asks for it: a hint is never dropped silently. This module knows nothing
@@ -24,16 +25,17 @@ from typing import TYPE_CHECKING, Self
 from agentx.engine.hints import BranchPoint, Hint, Pin, Priority, Release, ToolLatency, TurnsLeft
 
 if TYPE_CHECKING:  # request.py imports the KV cache, which imports back into the engine
+    from agentx.engine.models.tokenizer import Tokenizer
     from agentx.engine.outputs import EngineStats
     from agentx.engine.request import RequestOptions
     from agentx.engine.sampling import SamplingParams
     from agentx.engine.streams import RequestStream
 
-__all__ = ["EngineBackend", "EngineCapabilities", "UnsupportedWarnings"]
+__all__ = ["EngineBackend", "EngineCapabilities", "Prompt", "UnsupportedWarnings"]
 
 logger = logging.getLogger("agentx.engine")
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int]  # text, or token ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +122,7 @@ class EngineBackend(abc.ABC):
         ``max_model_len``: the model context in tokens.
     """
 
-    tokenizer: object
+    tokenizer: Tokenizer
     max_model_len: int
 
     @abc.abstractmethod

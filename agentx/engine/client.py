@@ -16,39 +16,31 @@ second thread builds the grammar tokenizer tables and compiles the chat template
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import threading
 import time
-import traceback
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable
 
 from agentx.config import EngineConfig
-from agentx.engine.backend import EngineBackend, EngineCapabilities
+from agentx.engine.backend import EngineCapabilities, Prompt
 from agentx.engine.core import EngineCore
+from agentx.engine.loop_backend import LoopBackend
 from agentx.engine.offload.interface import KVExport
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import Request, RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.scheduler import StepClock
-from agentx.engine.streams import Generation, RequestStream
-from agentx.errors import (
-    EngineClosedError,
-    EngineDeadError,
-    InvalidRequestError,
-    RequestAbortedError,
-    warn_renamed,
-)
+from agentx.engine.streams import RequestStream
+from agentx.errors import InvalidRequestError, RequestAbortedError, warn_renamed
 
-Prompt = str | Sequence[int]
+__all__ = ["Engine", "Prompt"]
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineBackend):
+class Engine(LoopBackend[tuple[Request, RequestStream]]):
     """agentx's own engine: the embedded default backend of every Session."""
 
     def __init__(
@@ -56,128 +48,40 @@ class Engine(EngineBackend):
     ) -> None:
         """``step_clock``: a step index shared with the other replicas of a ReplicaRouter
         (their ``prefill_schedule_interval`` windows align); None: this engine's own."""
+        super().__init__()
         self.config = config or EngineConfig()
         self.core = EngineCore(self.config, step_clock)
         self.core.wait_when_idle = False  # the loop waits outside its step lock (_loop_once)
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
-        self._cond = threading.Condition()
-        self._step_lock = threading.Lock()  # held by the loop while it touches the core
-        self._new: list[tuple[Request, RequestStream]] = []
-        self._aborts: list[str] = []
         self._controls: list[Callable[[EngineCore], object]] = []  # run by the loop, in order
         self._orphans: deque[str] = deque()  # held KV to release, queued without a lock
-        self._streams: dict[str, RequestStream] = {}
-        self._ids = itertools.count()
-        self._closed = False
-        self._dead: BaseException | None = None
         self._warmed_up = threading.Event()  # set when the loop's warm-up ended (or failed)
         self._preparer = threading.Thread(target=self._prepare, name="agentx-prepare", daemon=True)
         self._preparer.start()
-        self._thread = threading.Thread(target=self._run_loop, name="agentx-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run_steps, name="agentx-engine", daemon=True)
         self._thread.start()
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        options: RequestOptions | None = None,
-        **fields,
-    ) -> RequestStream:
-        """Validate and queue a request; its deltas arrive on the returned stream.
-
-        ``options`` is a :class:`RequestOptions`; its fields may also be given as keywords
-        (``priority=-1``, ``cache_salt="tenant-a"``, ``hold_kv=True``, ``held_kv=handle``,
-        ``hints=(...)``), which override those of ``options``.
-
-        ``hold_kv``: when it finishes, its KV is held whole under its request id (the handle)
-        for a later request that passes it as ``held_kv`` and whose prompt starts with this
-        request's prompt and output; that request then computes only what is new. Release held
-        KV you will not extend (``release_held``); unpinned held KV is also released by the
-        engine when memory runs short. (``retain_kv`` / ``extends`` are deprecated names.)
-        """
-        options = _make_options(options, fields)
-        self._check_alive()
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = self.core.make_request(rid, prompt, sampling or SamplingParams(), options=options)
+    def _admit(
+        self, rid: str, prompt: Prompt, sampling: SamplingParams, options: RequestOptions
+    ) -> tuple[RequestStream, tuple[Request, RequestStream]]:
+        request = self.core.make_request(rid, prompt, sampling, options=options)
         stream = RequestStream.for_sampling(rid, request.prompt_token_ids, request.sampling)
-        with self._cond:
-            self._check_alive()
-            if rid in self._streams:
-                raise InvalidRequestError(f"request id {rid!r} is already live")
-            if rid in self.core.kv.held and options.held_kv != rid:
-                # holding again under it would silently drop the KV the handle names
-                raise InvalidRequestError(
-                    f"request id {rid!r} names held KV: continue from it (held_kv={rid!r}), "
-                    "release it first, or use another id"
-                )
-            self._streams[rid] = stream
-            self._new.append((request, stream))
-            self._cond.notify()
-        return stream
+        return stream, (request, stream)
+
+    def _check_queued(self, rid: str, item: tuple[Request, RequestStream]) -> None:
+        if rid in self.core.kv.held and item[0].held_kv != rid:
+            # holding again under it would silently drop the KV the handle names
+            raise InvalidRequestError(
+                f"request id {rid!r} names held KV: continue from it (held_kv={rid!r}), "
+                "release it first, or use another id"
+            )
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The token ids a request of ``prompt`` holds (InvalidRequestError as add_request)."""
         return self.core.tokenize(prompt)
-
-    def abort(self, request_id: str) -> None:
-        """Abort a live request; its blocks are freed before the next step. Idempotent."""
-        with self._cond:
-            if request_id in self._streams and not self._closed:
-                self._aborts.append(request_id)
-                self._cond.notify()
-
-    def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None
-    ) -> list[Generation]:
-        """Run a batch of prompts to completion (blocking); results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        streams = []
-        try:
-            for prompt in prompts:
-                streams.append(self.add_request(prompt, sampling))
-            return [s.result() for s in streams]
-        finally:
-            for s in streams:
-                if not s.finished:
-                    self.abort(s.request_id)
-
-    async def stream(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        options: RequestOptions | None = None,
-        **fields,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas; leaving early or being cancelled aborts it. Options as
-        in ``add_request``."""
-        stream = self.add_request(
-            prompt, sampling, request_id=request_id, options=options, **fields
-        )
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
-
-    async def complete(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Generation:
-        """Await one request to completion."""
-        stream = self.add_request(prompt, sampling)
-        try:
-            async for _ in stream:
-                pass
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
-        return stream.to_generation()
 
     # ---- held KV (a finished turn's KV, held for the next turn: kv_cache/held.py) -----------
 
@@ -302,63 +206,35 @@ class Engine(EngineBackend):
         with self._step_lock:
             self.core.check_integrity()
 
-    def get_num_live_requests(self) -> int:
-        with self._cond:
-            return len(self._streams)
-
-    @property
-    def is_dead(self) -> bool:
-        """The engine loop crashed: every call raises EngineDeadError (a router routes
-        around it)."""
-        return self._dead is not None
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError("the engine loop crashed") from self._dead
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
-
     # ---- the loop thread ---------------------------------------------------------------------
 
-    def _run_loop(self) -> None:
+    def _before_steps(self) -> None:
         try:
-            try:
-                with self._step_lock:  # held sequences' calls touch the KV tensors too
-                    self.core.warm_up()
-            finally:
-                self._warmed_up.set()
-            while self._loop_once():
-                pass
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the callers
-            self._die(exc)
-        else:
-            with self._step_lock:  # give every block back, so a closed engine leaks nothing
-                self.core.abort_requests(list(self.core.scheduler.requests))
-            self._fail_all(
-                lambda: EngineClosedError("the engine was closed before the request finished")
-            )
+            with self._step_lock:  # held sequences' calls touch the KV tensors too
+                self.core.warm_up()
         finally:
-            self.core.close()
+            self._warmed_up.set()
 
-    def _loop_once(self) -> bool:
+    def _on_close(self) -> None:
+        with self._step_lock:  # give every block back, so a closed engine leaks nothing
+            self.core.abort_requests(list(self.core.scheduler.requests))
+
+    def _after_steps(self) -> None:
+        self.core.close()
+
+    def _has_work(self) -> bool:
+        return bool(self._controls or self._orphans) or self.core.has_unfinished_requests()
+
+    def _take_controls(self) -> list[Callable[[EngineCore], object]]:
         with self._cond:
-            while not (
-                self._closed
-                or self._new
-                or self._aborts
-                or self._controls
-                or self._orphans
-                or self._has_work()
-            ):
-                self._cond.wait()
-            if self._closed:
-                return False
-            new, self._new = self._new, []
-            aborts, self._aborts = self._aborts, []
             controls, self._controls = self._controls, []
-            while self._orphans:
-                handle = self._orphans.popleft()
-                controls.append(lambda core, handle=handle: core.release_held(handle))
+        while self._orphans:
+            handle = self._orphans.popleft()
+            controls.append(lambda core, handle=handle: core.release_held(handle))
+        return controls
+
+    def _step(self, new: list[tuple[Request, RequestStream]], aborts: list[str]) -> None:
+        controls = self._take_controls()
         with self._step_lock:
             for request, _ in new:
                 self.core.add_request(request)
@@ -370,10 +246,6 @@ class Engine(EngineBackend):
         self._dispatch(outputs)
         if idle:  # waiting on a transfer or a tool's return: never with the step lock held
             self.core.offload.idle_wait()
-        return True
-
-    def _has_work(self) -> bool:
-        return self.core.has_unfinished_requests()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._cond:
@@ -388,29 +260,6 @@ class Engine(EngineBackend):
                 if out.finished:
                     del self._streams[out.request_id]
                 stream.put(out)
-
-    def _die(self, exc: BaseException) -> None:
-        # The traceback's frames hold the loop's locals (this engine, its core and model): it
-        # is kept as text on the exception, so a caller still holding a failed stream or the
-        # error does not keep a dead engine's memory alive.
-        exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
-        exc.__traceback__ = None
-        with self._cond:
-            self._dead = exc
-
-        def error() -> EngineDeadError:  # one per stream: each is raised in its own frames
-            dead = EngineDeadError(f"the engine loop crashed: {exc!r}")
-            dead.__cause__ = exc
-            return dead
-
-        self._fail_all(error)
-
-    def _fail_all(self, error: Callable[[], BaseException]) -> None:
-        with self._cond:
-            streams, self._streams = self._streams, {}
-            self._new.clear()
-        for stream in streams.values():
-            stream.fail(error())
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -430,17 +279,9 @@ class Engine(EngineBackend):
             logger.debug("start-up preparation failed; retried on first use", exc_info=True)
 
     def close(self) -> None:
-        """Stop the loop thread; live requests fail with EngineClosedError. Idempotent."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+        super().close()
         if threading.current_thread() is not self._thread:
-            self._thread.join()
             _return_freed_heap()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
 
 def _return_freed_heap() -> None:
@@ -452,22 +293,12 @@ def _return_freed_heap() -> None:
         try:
             _malloc_trim = ctypes.CDLL(None).malloc_trim
         except (AttributeError, OSError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
+            _malloc_trim = _no_trim
+    _malloc_trim(0)
 
 
-_malloc_trim: Callable[[int], int] | bool | None = None
+def _no_trim(pad: int) -> int:
+    return 0
 
 
-def _make_options(options: RequestOptions | None, fields: dict) -> RequestOptions:
-    """``options`` with the keyword fields applied (unknown names raise TypeError)."""
-    fields = dict(fields)
-    if "retain_kv" in fields:
-        warn_renamed("add_request(retain_kv=...)", "add_request(hold_kv=...)", stacklevel=4)
-        fields["hold_kv"] = bool(fields.pop("retain_kv"))
-    if "extends" in fields:
-        warn_renamed("add_request(extends=...)", "add_request(held_kv=...)", stacklevel=4)
-        fields["held_kv"] = fields.pop("extends")
-    options = options or RequestOptions()
-    return replace(options, **fields) if fields else options
+_malloc_trim: Callable[[int], int] | None = None

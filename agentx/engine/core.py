@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from agentx.config import EngineConfig
+from agentx.engine.block_hash import salt_key
 from agentx.engine.draft import Drafter, DraftSource
+from agentx.engine.executors.executor import Executor, make_executor
 from agentx.engine.kv_cache import KVCacheManager
 from agentx.engine.kv_cache.policy import KVPolicy
 from agentx.engine.kv_cache.retention import make_retention
@@ -35,7 +37,6 @@ from agentx.engine.offload.interface import KVExport, NullOffload, Offload
 from agentx.engine.offload.manager import OffloadManager
 from agentx.engine.outputs import EngineStats, GrammarMasks, RequestOutput, SchedulerOutput
 from agentx.engine.parallel.bootstrap import refuse_spawn_while_bootstrapping
-from agentx.engine.parallel.executor import Executor, make_executor
 from agentx.engine.request import Request, RequestOptions, RequestStatus
 from agentx.engine.runner.model_runner import DTYPES
 from agentx.engine.sampling import SamplingParams
@@ -149,7 +150,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             block_size=self.kv.block_size,
             priority=options.priority,
-            cache_salt=options.cache_salt.encode() if options.cache_salt else b"",
+            cache_salt=salt_key(options.cache_salt),
             seed=seed,
             hold_kv=options.hold_kv,
             held_kv=options.held_kv,
@@ -400,9 +401,8 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             prefix_cache_queries=kv.stats.num_queries,
             prefix_cache_query_tokens=kv.stats.num_query_tokens,
-            prefix_cache_hit_tokens=kv.stats.num_hit_tokens,
+            num_cached_tokens=kv.stats.num_hit_tokens,
             num_computed_tokens=s.num_computed_tokens,
-            num_reused_tokens=s.num_reused_tokens,
             num_generated_tokens=s.num_generated_tokens,
             kv_num_blocks=kv.pool.num_blocks - 1,
             kv_num_used_blocks=kv.get_num_used_blocks(),

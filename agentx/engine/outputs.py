@@ -152,9 +152,8 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # requests that looked up the prefix cache
     prefix_cache_query_tokens: int
-    prefix_cache_hit_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (or held KV) instead
     num_computed_tokens: int  # tokens run through the model
-    num_reused_tokens: int  # prompt tokens served from the prefix cache instead
     num_generated_tokens: int
     kv_num_blocks: int
     kv_num_used_blocks: int
@@ -180,6 +179,18 @@ class EngineStats:
         return self.kv_num_held
 
     @property
+    def prefix_cache_hit_tokens(self) -> int:
+        """Deprecated name of ``num_cached_tokens``."""
+        warn_renamed("EngineStats.prefix_cache_hit_tokens", "num_cached_tokens")
+        return self.num_cached_tokens
+
+    @property
+    def num_reused_tokens(self) -> int:
+        """Deprecated name of ``num_cached_tokens``."""
+        warn_renamed("EngineStats.num_reused_tokens", "num_cached_tokens")
+        return self.num_cached_tokens
+
+    @property
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_query_tokens
-        return self.prefix_cache_hit_tokens / q if q else 0.0
+        return self.num_cached_tokens / q if q else 0.0

@@ -14,9 +14,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from agentx.engine.block_hash import BlockHash, extend_block_hashes
 from agentx.engine.draft import Drafter, DraftSource
 from agentx.engine.hints import HINT_TYPES, Hint
-from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes
 from agentx.engine.outputs import TokenLogprob
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.structured import GrammarMatcher

@@ -74,8 +74,8 @@ import threading
 from dataclasses import dataclass, fields, replace
 
 from agentx.config import EngineConfig, OffloadConfig
-from agentx.engine.backend import EngineBackend, EngineCapabilities
-from agentx.engine.client import Engine, Prompt
+from agentx.engine.backend import EngineBackend, EngineCapabilities, Prompt
+from agentx.engine.client import Engine
 from agentx.engine.hints import ToolLatency
 from agentx.engine.outputs import EngineStats
 from agentx.engine.request import RequestOptions

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from agentx.engine.block_hash import BlockHash, extend_block_hashes, salt_key
 from agentx.errors import ConfigError
 
 
@@ -40,17 +41,18 @@ class PrefixIndex:
             raise ConfigError(f"the prefix index needs max_blocks > 0, got {max_blocks}")
         self.block_tokens = block_tokens
         self.max_blocks = max_blocks
-        self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._blocks: list[OrderedDict[BlockHash, None]] = [
+            OrderedDict() for _ in range(num_replicas)
+        ]
 
-    def hashes(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
-        """One chained hash per whole block of ``token_ids``."""
-        out, parent, n = [], hash(("agentx-prefix", salt)), self.block_tokens
-        for start in range(0, len(token_ids) - n + 1, n):
-            parent = hash((parent, tuple(token_ids[start : start + n])))
-            out.append(parent)
-        return out
+    def hashes(self, token_ids: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+        """One chained hash per whole block of ``token_ids``: the engine's own block hashes
+        (block_hash.py) when ``block_tokens`` is the replicas' block size."""
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, token_ids, self.block_tokens, salt_key(salt))
+        return hashes
 
-    def matched_tokens(self, hashes: Sequence[int]) -> list[int]:
+    def matched_tokens(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Per replica, how many leading tokens (whole blocks) it was sent."""
         matched = []
         for blocks in self._blocks:
@@ -60,7 +62,7 @@ class PrefixIndex:
             matched.append(n * self.block_tokens)
         return matched
 
-    def record(self, replica: int, hashes: Sequence[int]) -> None:
+    def record(self, replica: int, hashes: Sequence[BlockHash]) -> None:
         """``replica`` was sent a prompt with these block hashes: they are its newest."""
         blocks = self._blocks[replica]
         for h in hashes:

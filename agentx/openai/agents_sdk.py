@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from agents import Model, ModelProvider, OpenAIChatCompletionsModel
 
-from agentx.engine.client import Engine
+from agentx.engine.backend import EngineBackend
 from agentx.openai.client import AsyncOpenAI
 from agentx.openai.service import DEFAULT_MODEL_NAME
 
@@ -26,7 +26,7 @@ class AgentxModelProvider(ModelProvider):
 
     def __init__(
         self,
-        engine: Engine | None = None,
+        engine: EngineBackend | None = None,
         *,
         client: AsyncOpenAI | None = None,
         model_name: str = DEFAULT_MODEL_NAME,

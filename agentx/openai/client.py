@@ -21,7 +21,7 @@ from typing import Any
 import httpx2
 import openai
 
-from agentx.engine.client import Engine
+from agentx.engine.backend import EngineBackend
 from agentx.openai.service import ChatService
 from agentx.openai.transport import AsyncInProcessTransport, InProcessTransport
 
@@ -37,7 +37,7 @@ def _client_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _transport_args(engine: Engine | None, service: ChatService | None, options) -> tuple:
+def _transport_args(engine: EngineBackend | None, service: ChatService | None, options) -> tuple:
     """(the service, whether the client owns it): a shared one outlives the client."""
     if service is not None:
         return service, False
@@ -54,7 +54,7 @@ class AsyncOpenAI(openai.AsyncOpenAI):
 
     def __init__(
         self,
-        engine: Engine | None = None,
+        engine: EngineBackend | None = None,
         *,
         service: ChatService | None = None,
         model_name: str | None = None,
@@ -79,7 +79,7 @@ class OpenAI(openai.OpenAI):
 
     def __init__(
         self,
-        engine: Engine | None = None,
+        engine: EngineBackend | None = None,
         *,
         service: ChatService | None = None,
         model_name: str | None = None,

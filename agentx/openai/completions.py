@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from agentx.engine.client import Engine
+from agentx.engine.backend import EngineBackend
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import RequestStream
@@ -82,7 +82,7 @@ class _Call:
     token_text: Callable[[int], str] | None = None  # set when the request asked for logprobs
 
 
-def fim_tokens(engine: Engine) -> tuple[int, int, int] | None:
+def fim_tokens(engine: EngineBackend) -> tuple[int, int, int] | None:
     """The (prefix, suffix, middle) token ids of the model's fill-in-the-middle format."""
     backend = engine.tokenizer.backend
     for names in _FIM_TOKEN_SETS:
@@ -116,7 +116,7 @@ class CompletionService:
         engine = await self.chat.get_engine()
         return await prepare_off_loop(self._prepare, self._end, engine, body, tenant)
 
-    def _prepare(self, engine: Engine, body: object, tenant: str | None) -> _Call:
+    def _prepare(self, engine: EngineBackend, body: object, tenant: str | None) -> _Call:
         if not isinstance(body, Mapping):
             raise InvalidRequestError("the request body must be a JSON object")
         for name, reason in _REFUSED.items():
@@ -165,7 +165,9 @@ class CompletionService:
             raise
         return call
 
-    def _encode(self, engine: Engine, prompt: str | list[int], suffix: Any) -> tuple[list, str]:
+    def _encode(
+        self, engine: EngineBackend, prompt: str | list[int], suffix: Any
+    ) -> tuple[list, str]:
         """The prompt's token ids and the text echo shows."""
         tokenizer = engine.tokenizer
         if suffix is not None and not isinstance(suffix, str):

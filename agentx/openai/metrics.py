@@ -30,9 +30,8 @@ _COUNTERS = frozenset(
         "num_preemptions",
         "prefix_cache_queries",
         "prefix_cache_query_tokens",
-        "prefix_cache_hit_tokens",
+        "num_cached_tokens",
         "num_computed_tokens",
-        "num_reused_tokens",
         "num_generated_tokens",
         "kv_policy_errors",
         "offload_loaded_blocks",
@@ -47,6 +46,9 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240)
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8)
 
+# deprecated metric names, still exported with the renamed field's value
+_RENAMED = {"num_cached_tokens": ("prefix_cache_hit_tokens", "num_reused_tokens")}
+
 
 class _EngineCollector(Collector):
     def __init__(self, service: ChatService) -> None:
@@ -59,11 +61,12 @@ class _EngineCollector(Collector):
         stats = engine.stats()
         for field in dataclasses.fields(EngineStats):
             value = getattr(stats, field.name)
-            name = f"agentx_{field.name}"
-            if field.name in _COUNTERS:
-                yield CounterMetricFamily(name, f"engine {field.name}", value=value)
-            else:
-                yield GaugeMetricFamily(name, f"engine {field.name}", value=value)
+            for key in (field.name, *_RENAMED.get(field.name, ())):
+                name = f"agentx_{key}"
+                if field.name in _COUNTERS:
+                    yield CounterMetricFamily(name, f"engine {key}", value=value)
+                else:
+                    yield GaugeMetricFamily(name, f"engine {key}", value=value)
 
 
 class ServerMetrics:

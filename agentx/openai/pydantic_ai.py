@@ -13,7 +13,7 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.profiles.openai import OpenAIModelProfile
 from pydantic_ai.providers.openai import OpenAIProvider
 
-from agentx.engine.client import Engine
+from agentx.engine.backend import EngineBackend
 from agentx.openai.client import AsyncOpenAI
 from agentx.openai.service import DEFAULT_MODEL_NAME
 
@@ -21,7 +21,7 @@ __all__ = ["agentx_model"]
 
 
 def agentx_model(
-    engine: Engine | None = None,
+    engine: EngineBackend | None = None,
     *,
     client: AsyncOpenAI | None = None,
     model_name: str = DEFAULT_MODEL_NAME,

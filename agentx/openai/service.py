@@ -33,7 +33,7 @@ from typing import TypeVar
 import anyio
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from agentx.engine.client import Engine
+from agentx.engine.backend import EngineBackend
 from agentx.engine.models.tokenizer import Tokenizer
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import MAX_SEED, SamplingParams
@@ -100,7 +100,7 @@ class ChatService:
 
     def __init__(
         self,
-        engine: Engine | None = None,
+        engine: EngineBackend | None = None,
         *,
         model_name: str = DEFAULT_MODEL_NAME,
         max_held_conversations: int = 32,
@@ -124,17 +124,17 @@ class ChatService:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    async def get_engine(self) -> Engine:
+    async def get_engine(self) -> EngineBackend:
         if self._engine is None:
             self._engine = await anyio.to_thread.run_sync(get_default_engine)
         return self._engine
 
     @property
-    def engine(self) -> Engine | None:
+    def engine(self) -> EngineBackend | None:
         """The engine once loaded (None before the first ``get_engine``)."""
         return self._engine
 
-    def get_tokenizer(self, engine: Engine) -> Tokenizer:
+    def get_tokenizer(self, engine: EngineBackend) -> Tokenizer:
         """The engine's tokenizer, with ``chat_template`` when one was given; the tool-call
         parser follows its format from here on."""
         if self._tokenizer is None:
@@ -150,7 +150,7 @@ class ChatService:
             self._tokenizer = tokenizer
         return self._tokenizer
 
-    def check_text_fits(self, engine: Engine, num_chars: int) -> None:
+    def check_text_fits(self, engine: EngineBackend, num_chars: int) -> None:
         """Refuse text that needs more tokens than the context holds, before tokenizing it.
 
         No token stands for more characters than its vocabulary piece has (byte-level pieces
@@ -263,7 +263,7 @@ class ChatService:
         engine = await self.get_engine()
         return await prepare_off_loop(self._prepare_call, self._end, engine, body, tenant)
 
-    def _prepare_call(self, engine: Engine, body: object, tenant: str | None) -> _Call:
+    def _prepare_call(self, engine: EngineBackend, body: object, tenant: str | None) -> _Call:
         clock = RequestClock()
         tokenizer = self.get_tokenizer(engine)
         request = parse_chat_request(body, self._parser.format)
@@ -311,7 +311,7 @@ class ChatService:
         return call
 
     def _sampling(
-        self, engine: Engine, request: ChatRequest, num_prompt_tokens: int
+        self, engine: EngineBackend, request: ChatRequest, num_prompt_tokens: int
     ) -> tuple[SamplingParams, bool]:
         """The request's sampling with its real budget and grammar; whether the reply is read
         for tool calls."""

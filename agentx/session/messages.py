@@ -26,6 +26,7 @@ from agentx.errors import InvalidRequestError
 __all__ = [
     "AssistantMessage",
     "Message",
+    "MessageInput",
     "SystemMessage",
     "ToolCall",
     "ToolMessage",
@@ -173,6 +174,8 @@ class ToolMessage(BaseModel):
 Message = Annotated[
     SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
 ]
+# what an agent author may pass as a message: a str (a user message), a dict, or a Message
+MessageInput = str | dict[str, Any] | Message
 _MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
 _MESSAGE_TYPES = (SystemMessage, UserMessage, AssistantMessage, ToolMessage)
 
@@ -182,7 +185,7 @@ def to_template_dict(message: Message) -> dict[str, str]:
     return {"role": message.role, "content": message.content}
 
 
-def coerce_message(item: str | dict[str, Any] | Message) -> Message:
+def coerce_message(item: MessageInput) -> Message:
     """A message from what an agent author passes: a str is a user message, a dict is validated.
 
     Raises ``InvalidRequestError`` naming what is wrong with a dict or an unsupported type.

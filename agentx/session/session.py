@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import overload
 
 import anyio
 
@@ -44,6 +45,7 @@ from agentx.session.hints import Hint, Pin, Priority, Release, make_hints
 from agentx.session.messages import (
     AssistantMessage,
     Message,
+    MessageInput,
     ToolCall,
     ToolMessage,
     Usage,
@@ -226,7 +228,7 @@ class Session:
 
     def stream(
         self,
-        message=None,
+        message: MessageInput | None = None,
         *,
         sampling: SamplingParams | None = None,
         prefill: str | None = None,
@@ -252,9 +254,9 @@ class Session:
             constraint.sampling_for(sampling, prefill)
             if known is None:
                 fmt = self.tool_format
-                constraint = make_turn_constraint(
-                    tools, tool_choice, response_format, tool_format=fmt
-                )
+                rebuilt = make_turn_constraint(tools, tool_choice, response_format, tool_format=fmt)
+                assert rebuilt is not None  # the same arguments made one above
+                constraint = rebuilt
             sampling = constraint.sampling_for(sampling, prefill)
         new = list(self._pending)
         if message is not None:
@@ -263,7 +265,7 @@ class Session:
 
     async def send(
         self,
-        message=None,
+        message: MessageInput | None = None,
         *,
         sampling: SamplingParams | None = None,
         prefill: str | None = None,
@@ -317,15 +319,15 @@ class Session:
         stream = self.engine.add_request(prompt, sampling, options=options)
         self._held_kv = None  # the request adopts it (or it is released when the request runs)
         self._hints = []
-        self._turn.inflight = stream
+        self._check_turn_open().inflight = stream
         return stream
 
     def _settle(self, stream: RequestStream) -> None:
         """The in-flight request finished; a completed one left its KV held for the next."""
-        self._check_turn_open()
+        turn = self._check_turn_open()
         completed = stream.final is not None and stream.final.finish_reason in ("stop", "length")
         self._held_kv = stream.request_id if completed else None
-        self._turn.inflight = None
+        turn.inflight = None
 
     def _commit_turn(
         self,
@@ -336,10 +338,12 @@ class Session:
         prefill: str,
     ) -> None:
         """The assistant's reply (``gen``, after ``prefill``) answers the ``sent`` messages."""
-        self._check_turn_open()
-        self._settle(self._turn.inflight)
+        turn = self._check_turn_open()
+        if turn.inflight is None:
+            raise SessionError("no request in flight to commit")
+        self._settle(turn.inflight)
         output_ids = prefill_ids + gen.token_ids
-        self._context.commit_output(output_ids, prefill + gen.text, gen.finish_reason)
+        self._ensure_context().commit_output(output_ids, prefill + gen.text, gen.finish_reason)
         if self._held_kv is not None and self._pinned:
             self.engine.pin_held_soon(self._held_kv)
         # tool results entered the history when they were added
@@ -348,21 +352,23 @@ class Session:
         self._pending = []
         self._open_calls = {c.id: c for c in message.tool_calls}
         self._add_usage(message.usage)
-        self._turn.committed = True
+        turn.committed = True
 
     def _commit_tool_result(self, call: ToolCall, content: str, is_error: bool) -> None:
         """A streamed tool result is complete: the open tool message (its chunks already in
         the context) is closed and enters the history."""
-        self._check_turn_open()
-        self._context.close_message()
+        turn = self._check_turn_open()
+        self._ensure_context().close_message()
         self._messages.append(
             ToolMessage(tool_call_id=call.id, content=content, is_error=is_error, name=call.name)
         )
-        self._turn.committed = True
+        turn.committed = True
 
-    def _check_turn_open(self) -> None:
-        if self._turn is None:  # close() aborted the turn while it ran
+    def _check_turn_open(self) -> _OpenTurn:
+        """The open turn; SessionClosedError when close() aborted it while it ran."""
+        if self._turn is None:
             raise SessionClosedError("the session was closed during the turn")
+        return self._turn
 
     def _end_turn(self) -> None:
         """Close the open turn; one that was not committed is aborted. Idempotent."""
@@ -456,7 +462,7 @@ class Session:
 
     async def run(
         self,
-        message=None,
+        message: MessageInput | None = None,
         *,
         max_turns: int = 8,
         sampling: SamplingParams | None = None,
@@ -490,7 +496,13 @@ class Session:
 
     # ---- forks -------------------------------------------------------------------------------
 
-    async def fork(self, n: int | None = None):
+    @overload
+    async def fork(self, n: None = None) -> Session: ...
+
+    @overload
+    async def fork(self, n: int) -> list[Session]: ...
+
+    async def fork(self, n: int | None = None) -> Session | list[Session]:
         """One child (``n`` None) or a list of ``n``: each continues from this exact context and
         shares its KV by reference; a child's first turn computes only its new tokens. A child
         starts with no grammar: ``tool_choice`` / ``response_format`` end with their turn."""

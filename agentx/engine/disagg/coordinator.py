@@ -39,13 +39,13 @@ import itertools
 import multiprocessing
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 
 from agentx.config import DisaggConfig, EngineConfig
-from agentx.engine.backend import EngineBackend, EngineCapabilities, UnsupportedWarnings
+from agentx.engine.backend import EngineBackend, EngineCapabilities, Prompt, UnsupportedWarnings
 from agentx.engine.disagg.flight import (
     DisaggCounters,
     Flight,
@@ -72,7 +72,6 @@ from agentx.errors import (
     RequestAbortedError,
 )
 
-Prompt = str | Sequence[int]
 HandoverHook = Callable[[str, str], None]  # (stage: "export" | "import", request id)
 
 

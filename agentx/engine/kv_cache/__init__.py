@@ -1,7 +1,7 @@
 """Paged KV cache: block pool, prefix cache, per-attention-type managers and their facade."""
 
+from agentx.engine.block_hash import BlockHash, extend_block_hashes, hash_block
 from agentx.engine.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from agentx.engine.kv_cache.hashing import BlockHash, extend_block_hashes, hash_block
 from agentx.engine.kv_cache.held import BlockCopy, HeldKV, HeldKVManager
 from agentx.engine.kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from agentx.engine.kv_cache.policy import (

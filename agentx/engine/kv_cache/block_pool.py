@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import NULL_BLOCK_ID, BlockHash
 
 
 @dataclass(slots=True, eq=False)
@@ -92,10 +92,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.is_null = True
         self.null_block.ref_cnt = 1  # permanently held so it never enters the free queue
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK_ID + 1 :])
         self.pinned_queue = FreeBlockQueue(())  # free soft-pinned cached blocks
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0

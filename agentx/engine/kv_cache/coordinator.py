@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
-from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.kv_cache.linear_state import LinearStateManager  # registers its spec
 from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
 from agentx.engine.kv_cache.retention import RetentionPolicy

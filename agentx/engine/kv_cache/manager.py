@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.hints import BranchPoint, TurnsLeft
 from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
-from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.kv_cache.held import BlockCopy, HeldKV, HeldKVManager
 from agentx.engine.kv_cache.policy import KVPolicy, TurnEnd
 from agentx.engine.kv_cache.policy_guard import KVPolicyGuard

@@ -35,8 +35,8 @@ from abc import ABC
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.hints import Hint
-from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.request import Request
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections import OrderedDict
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.kv_cache.policy import CheckpointPlan, KVPolicy
 from agentx.engine.request import Request
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
-from agentx.engine.kv_cache.hashing import BlockHash
 from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from agentx.engine.request import Request

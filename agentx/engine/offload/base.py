@@ -1,7 +1,7 @@
 """The KV tier contract: one storage level below device memory (host RAM, disk, Mooncake Store).
 
 A tier stores whole blocks. The key is the block hash of the prefix cache
-(:mod:`agentx.engine.kv_cache.hashing`), the same chain in every tier, so a lookup walks the
+(:mod:`agentx.engine.block_hash`), the same chain in every tier, so a lookup walks the
 same hashes everywhere. The value is one block's page: a contiguous ``uint8`` tensor of exactly
 ``page_bytes`` bytes (all layers of the block; the engine gathers and scatters it).
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 
 __all__ = ["EvictedBlock", "KVTier", "TierStats", "check_pages"]
 

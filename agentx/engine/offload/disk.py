@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.offload.index import IndexedTier, IndexEntry
 from agentx.errors import ConfigError
 

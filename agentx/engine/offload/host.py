@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.offload.base import EvictedBlock
 from agentx.engine.offload.index import IndexedTier, IndexEntry
 

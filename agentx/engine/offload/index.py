@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.offload.base import EvictedBlock, KVTier, TierStats, check_pages
 
 __all__ = ["BlockIndex", "IndexEntry", "IndexedTier"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.offload.base import KVTier
 from agentx.engine.offload.transfer import TransferEvent, TransferJob
 

@@ -26,9 +26,9 @@ from typing import Protocol
 import torch
 
 from agentx.config import OffloadConfig
+from agentx.engine.block_hash import BlockHash, hash_partial_block
 from agentx.engine.hints import ToolLatency
 from agentx.engine.kv_cache import KVBlock, KVCacheManager
-from agentx.engine.kv_cache.hashing import BlockHash, hash_partial_block
 from agentx.engine.kv_cache.policy import ToolWait
 from agentx.engine.offload.interface import KVExport, Offload
 from agentx.engine.offload.mooncake_master import MooncakeMaster

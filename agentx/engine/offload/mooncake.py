@@ -34,7 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.offload.base import KVTier, TierStats, check_pages
 from agentx.engine.offload.mooncake_master import has_private_network, port_is_open
 from agentx.errors import ConfigError, OffloadError

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 from agentx.engine.offload.base import KVTier, TierStats, check_pages
 from agentx.engine.offload.jobs import LoadJob, StoreJob, TierOp
 from agentx.engine.offload.transfer import TransferEvent, TransferWorker

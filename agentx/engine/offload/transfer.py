@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
-from agentx.engine.kv_cache.hashing import BlockHash
+from agentx.engine.block_hash import BlockHash
 
 __all__ = ["TransferEvent", "TransferJob", "TransferWorker"]
 

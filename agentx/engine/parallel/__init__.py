@@ -1,6 +1,5 @@
-"""Parallel state and collectives (``state.py``: below the models, which take a ParallelState),
-and the executors that run the model over worker processes (``executor.py``, ``multiproc.py``,
-``worker.py``: above the runner, imported by the engine core, never from here)."""
+"""Parallel state and collectives: below the models, which take a ParallelState. The executors
+that run the model over worker processes sit above the runner, in :mod:`agentx.engine.executors`."""
 
 from agentx.engine.parallel.prefill_split import PrefillSplit, zigzag_rows
 from agentx.engine.parallel.state import SINGLE, HeadShard, ParallelState

@@ -195,7 +195,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the model and the KV pool: the engine closed and no step runs again (nothing
-        else to stop in-process; the executor protocol: ``parallel/executor.py``)."""
+        else to stop in-process; the executor protocol: ``executors/executor.py``)."""
         self.model = None
         self.kv_slots, self.kv_caches = (), []
 

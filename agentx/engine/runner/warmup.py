@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from agentx.engine.block_hash import NULL_BLOCK_ID
 from agentx.engine.outputs import GrammarMasks, ScheduledRequest, SchedulerOutput
 from agentx.engine.sampling import SamplingParams
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:  # the runner calls this module
 __all__ = ["WARM_UP_REQUEST_ID", "warm_up"]
 
 WARM_UP_REQUEST_ID = "agentx-warm-up"
-NULL_BLOCK_ID = 0
 _SAMPLING = SamplingParams(temperature=1.0, top_k=8, top_p=0.9, max_tokens=2)
 
 

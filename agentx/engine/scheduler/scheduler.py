@@ -113,7 +113,6 @@ class Scheduler:
         self._window_open = True  # this step may start new prefills (the cadence's window)
         self.num_preemptions = 0
         self.num_computed_tokens = 0
-        self.num_reused_tokens = 0
         self.num_generated_tokens = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -379,7 +378,6 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
-            self.num_reused_tokens += num_hit
             self._known_to_runner.discard(request.request_id)
             scheduled[request.request_id] = _Scheduled(request, num_new, new_blocks, [])
             budget.take(num_new)

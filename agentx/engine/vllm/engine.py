@@ -21,20 +21,18 @@ request asking for one logs a warning. Process-wide state vLLM changes: process_
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
-import traceback
-from collections.abc import Sequence
 from dataclasses import replace
 
-from agentx.engine.backend import EngineBackend, EngineCapabilities, UnsupportedWarnings
+from agentx.engine.backend import EngineCapabilities, Prompt, UnsupportedWarnings
 from agentx.engine.hints import Pin, Release, ToolLatency
+from agentx.engine.loop_backend import LoopBackend
 from agentx.engine.models.detokenizer import IncrementalDetokenizer
 from agentx.engine.outputs import EngineStats, RequestOutput
 from agentx.engine.request import RequestOptions
 from agentx.engine.sampling import SamplingParams
-from agentx.engine.streams import Generation, RequestStream
+from agentx.engine.streams import RequestStream
 from agentx.engine.text_state import TextState
 from agentx.engine.vllm.config import VLLMConfig
 from agentx.engine.vllm.convert import to_vllm_sampling
@@ -46,23 +44,20 @@ from agentx.engine.vllm.startup import (
     shutdown_llm_engine,
     start_llm_engine,
 )
-from agentx.errors import (
-    EngineClosedError,
-    EngineDeadError,
-    InvalidRequestError,
-    PromptTooLongError,
-    RequestAbortedError,
-)
+from agentx.errors import InvalidRequestError, PromptTooLongError, RequestAbortedError
 
 __all__ = ["VLLMEngine"]
 
 logger = logging.getLogger(__name__)
 
 
-class VLLMEngine(EngineBackend):
+class VLLMEngine(LoopBackend[tuple[str, LiveRequest]]):
     """The vLLM backend. ``engine_args`` keywords are merged into ``config.engine_args``."""
 
+    _loop_name = "vLLM"
+
     def __init__(self, config: VLLMConfig | None = None, **engine_args) -> None:
+        super().__init__()
         config = config or VLLMConfig()
         if engine_args:
             config = replace(config, engine_args={**config.engine_args, **engine_args})
@@ -73,18 +68,10 @@ class VLLMEngine(EngineBackend):
         self._num_threads = config.num_threads or torch.get_num_threads()
         self.tokenizer, model_dir = load_model(config)
         self._warnings = UnsupportedWarnings("vllm")
-        self._cond = threading.Condition()
-        self._step_lock = threading.Lock()
-        self._new: list[tuple[str, LiveRequest]] = []
-        self._aborts: list[str] = []
         self._live: dict[str, LiveRequest] = {}  # loop thread only (under the step lock)
-        self._streams: dict[str, RequestStream] = {}  # under _cond
         self._held = HeldHandles()
-        self._ids = itertools.count()
         self._counts = dict.fromkeys(("queries", "query_tokens", "hit_tokens", "generated"), 0)
         self._num_steps = 0
-        self._closed = False
-        self._dead: BaseException | None = None
         # vLLM is built on the thread that steps it: stepped from another thread than the one
         # that built (and compiled) it, its CPU decode measured ~40% slower here
         started: list[BaseException | None] = []
@@ -105,19 +92,9 @@ class VLLMEngine(EngineBackend):
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        options: RequestOptions | None = None,
-        **fields,
-    ) -> RequestStream:
-        options = replace(options or RequestOptions(), **fields) if fields else options
-        options = options or RequestOptions()
-        sampling = sampling or SamplingParams()
-        self._check_alive()
+    def _admit(
+        self, rid: str, prompt: Prompt, sampling: SamplingParams, options: RequestOptions
+    ) -> tuple[RequestStream, tuple[str, LiveRequest]]:
         token_ids = self._tokenize(prompt)
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(
@@ -125,7 +102,6 @@ class VLLMEngine(EngineBackend):
                 " (the prompt must leave room for at least one output token)"
             )
         self._warn_unsupported(options)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         text = TextState(
             IncrementalDetokenizer(self.tokenizer, token_ids[-8:]),
             sampling.stop,
@@ -133,17 +109,9 @@ class VLLMEngine(EngineBackend):
         )
         affinity = self._held.lineage_of(options.held_kv, rid)
         stream = RequestStream.for_sampling(rid, token_ids, sampling)
-        live = LiveRequest(stream, token_ids, sampling, options, text, affinity)
-        with self._cond:
-            self._check_alive()
-            if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already live")
-            self._streams[rid] = live.stream
-            self._new.append((rid, live))
-            self._cond.notify()
-        return live.stream
+        return stream, (rid, LiveRequest(stream, token_ids, sampling, options, text, affinity))
 
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -169,28 +137,6 @@ class VLLMEngine(EngineBackend):
                     "no demote/prefetch by deadline (vLLM offloads by LRU; its "
                     "KV offloading connectors are CUDA-only in 0.32)",
                 )
-
-    def abort(self, request_id: str) -> None:
-        with self._cond:
-            if request_id in self._streams and not self._closed:
-                self._aborts.append(request_id)
-                self._cond.notify()
-
-    def generate(
-        self, prompts: str | Sequence[int] | Sequence, sampling: SamplingParams | None = None
-    ) -> list[Generation]:
-        """Run a batch of prompts to completion (blocking); results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        streams = []
-        try:
-            for prompt in prompts:
-                streams.append(self.add_request(prompt, sampling))
-            return [s.result() for s in streams]
-        finally:
-            for s in streams:
-                if not s.finished:
-                    self.abort(s.request_id)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """vLLM warms up inside its start-up: always ready once constructed."""
@@ -252,9 +198,8 @@ class VLLMEngine(EngineBackend):
             num_preemptions=0,
             prefix_cache_queries=c["queries"],
             prefix_cache_query_tokens=c["query_tokens"],
-            prefix_cache_hit_tokens=c["hit_tokens"],
+            num_cached_tokens=c["hit_tokens"],
             num_computed_tokens=c["query_tokens"] - c["hit_tokens"] + c["generated"],
-            num_reused_tokens=c["hit_tokens"],
             num_generated_tokens=c["generated"],
             kv_num_blocks=0,
             kv_num_used_blocks=0,
@@ -270,16 +215,6 @@ class VLLMEngine(EngineBackend):
             self._held.check_integrity(live)
             if not live:
                 assert not self._llm.has_unfinished_requests(), "vLLM still runs requests"
-
-    def get_num_live_requests(self) -> int:
-        with self._cond:
-            return len(self._streams)
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError("the vLLM loop crashed") from self._dead
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
 
     # ---- the loop thread ---------------------------------------------------------------------
 
@@ -304,30 +239,21 @@ class VLLMEngine(EngineBackend):
         torch.set_num_threads(self._num_threads)  # vLLM's start sets 1 "for serving"
         started.append(None)
         ready.set()
-        try:
-            while self._loop_once():
-                pass
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the callers
-            self._die(exc)
-        else:
-            self._fail_all(lambda: EngineClosedError("the engine was closed before it finished"))
-        finally:
-            with self._step_lock:
-                if self._live:
-                    self._llm.abort_request(list(self._live))
-                self._live.clear()
-            shutdown_llm_engine(self._llm)
+        self._run_steps()
 
-    def _loop_once(self) -> bool:
-        with self._cond:
-            while not (self._closed or self._new or self._aborts or self._live):
-                self._cond.wait()
-            if self._closed:
-                return False
-            new, self._new = self._new, []
-            aborts, self._aborts = self._aborts, []
-            for _, live in new:  # a held turn is adopted by the request that continues it
-                self._held.adopt(live.options.held_kv)
+    def _after_steps(self) -> None:
+        with self._step_lock:
+            if self._live:
+                self._llm.abort_request(list(self._live))
+            self._live.clear()
+        shutdown_llm_engine(self._llm)
+
+    def _has_work(self) -> bool:
+        return bool(self._live)
+
+    def _step(self, new: list[tuple[str, LiveRequest]], aborts: list[str]) -> None:
+        for _, live in new:  # a held turn is adopted by the request that continues it
+            self._held.adopt(live.options.held_kv)
         with self._step_lock:
             for rid, live in new:
                 self._start(rid, live)
@@ -342,7 +268,6 @@ class VLLMEngine(EngineBackend):
         for item in done:
             if item is not None:
                 self._finish(*item)
-        return True
 
     def _start(self, rid: str, live: LiveRequest) -> None:
         from vllm import TokensPrompt
@@ -403,36 +328,3 @@ class VLLMEngine(EngineBackend):
             stream.fail(error)
         else:
             stream.put(delta)
-
-    def _die(self, exc: BaseException) -> None:
-        exc.add_note("".join(traceback.format_tb(exc.__traceback__)).rstrip())
-        exc.__traceback__ = None
-        with self._cond:
-            self._dead = exc
-
-        def error() -> EngineDeadError:
-            dead = EngineDeadError(f"the vLLM loop crashed: {exc!r}")
-            dead.__cause__ = exc
-            return dead
-
-        self._fail_all(error)
-
-    def _fail_all(self, error) -> None:
-        with self._cond:
-            streams, self._streams = self._streams, {}
-            self._new.clear()
-        for stream in streams.values():
-            stream.fail(error())
-
-    # ---- lifecycle ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed

@@ -2,8 +2,12 @@
 
 A block's hash covers its parent's hash, its own token ids and extra keys (an isolation salt,
 later a LoRA or multimodal id), so equal hashes mean equal prefixes, not merely equal blocks.
-The digest is stable across processes (no ``hash()`` randomisation), which the disk and Mooncake
-tiers rely on to share blocks between engines.
+The digest is stable across processes (no ``hash()`` randomisation, no PYTHONHASHSEED), which
+the disk and Mooncake tiers rely on to share blocks between engines, and the router's prefix
+index relies on to name the same blocks the replicas cache.
+
+A leaf module: the KV cache, the requests, the offload tiers and the router all import it, and
+it imports nothing of agentx's.
 """
 
 from __future__ import annotations
@@ -12,9 +16,26 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+__all__ = [
+    "NULL_BLOCK_ID",
+    "BlockHash",
+    "extend_block_hashes",
+    "hash_block",
+    "hash_partial_block",
+    "salt_key",
+]
+
 BlockHash = bytes
 
+# block 0 of every pool: never allocated, never freed; the slot a padded block table points at
+NULL_BLOCK_ID = 0
+
 _DIGEST_BYTES = 16
+
+
+def salt_key(cache_salt: str | None) -> bytes:
+    """The extra key a request's cache salt adds to each of its block hashes."""
+    return cache_salt.encode() if cache_salt else b""
 
 
 def hash_block(

@@ -96,6 +96,6 @@ def make_executor(config: EngineConfig, checkpoint: Checkpoint) -> Executor:
         if not num_experts:
             raise ConfigError(f"parallel.ep={ep} needs a mixture-of-experts model")
         ParallelState(ep_size=ep).expert_shard(num_experts)
-    from agentx.engine.parallel.multiproc import MultiprocExecutor  # it imports this module
+    from agentx.engine.executors.multiproc import MultiprocExecutor  # it imports this module
 
     return MultiprocExecutor(config, checkpoint.spec)

@@ -23,21 +23,21 @@ from typing import Any
 import torch
 
 from agentx.config import EngineConfig
-from agentx.engine.kv_cache import BlockCopy
-from agentx.engine.models.spec import ModelSpec
-from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
-from agentx.engine.parallel.bootstrap import (
-    refuse_spawn_while_bootstrapping,
-    unguarded_main_error,
-)
-from agentx.engine.parallel.executor import Executor
-from agentx.engine.parallel.worker import (
+from agentx.engine.executors.executor import Executor
+from agentx.engine.executors.worker import (
     CLOSE,
     WorkerCall,
     WorkerFailure,
     WorkerReady,
     WorkerSpec,
     run_worker,
+)
+from agentx.engine.kv_cache import BlockCopy
+from agentx.engine.models.spec import ModelSpec
+from agentx.engine.outputs import GrammarMasks, ModelRunnerOutput, SchedulerOutput
+from agentx.engine.parallel.bootstrap import (
+    refuse_spawn_while_bootstrapping,
+    unguarded_main_error,
 )
 from agentx.errors import EngineDeadError
 

@@ -28,6 +28,7 @@ def _run(args: list[str], **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # every kernel under the Triton interpreter: tens of seconds
 def test_triton_kernels_match_ref_under_interpreter():
     proc = _run(
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "triton_cases.py")],

@@ -95,6 +95,7 @@ def engines():
     dcp2.close()
 
 
+@pytest.mark.slow  # real SmolLM2 engines in worker processes
 def test_dcp2_greedy_close_to_dcp1_cached_and_preempted(engines):
     tp1, dcp2 = engines
     prompts = _long_prompts(tp1, list(PARITY_PROMPTS))

@@ -123,6 +123,7 @@ def _check_kv_layout_and_rows(one: Engine, pcp: Engine) -> None:
         torch.testing.assert_close(part, full[:, :, :, rank::2], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow  # real SmolLM2 engines in worker processes
 def test_smollm2_pcp2_greedy_close_to_world_size_1():
     """SmolLM2 behind the 72-token shared prefix, 16-token chunks: close to world size 1 by
     the parity rule (tests/parity.py), exact against itself from the prefix cache."""

@@ -74,6 +74,7 @@ def _long_prompts(engine: Engine, texts: list[str] = PROMPTS) -> list[list[int]]
     return [shared + tok.encode(p) for p in texts]
 
 
+@pytest.mark.slow  # real SmolLM2 engines in worker processes
 def test_tp2_greedy_close_to_tp1_cached_and_preempted(engines):
     tp1, tp2 = engines
     prompts = _long_prompts(tp1, list(PARITY_PROMPTS))

@@ -126,6 +126,7 @@ def test_smollm2_tokens_per_rank_from_the_layout():
 SMOLLM2_MIN_EXACT = 3
 
 
+@pytest.mark.slow  # real SmolLM2 engines in worker processes
 def test_smollm2_tp2_dcp2_greedy_close_to_world_size_1():
     one = Engine(_config(1))
     grid = Engine(replace(_config(1), parallel=ParallelConfig(tp=2, dcp=2)))

@@ -21,9 +21,10 @@ NAME = "qwen2.5-coder-1.5b"
 ENTRY = model_store.MODELS[NAME]
 # looked up at import, before any test points AGENTX_CACHE_DIR elsewhere
 PATH = model_store.model_file(ENTRY) if model_store.is_present(ENTRY) else None
-pytestmark = pytest.mark.skipif(
-    PATH is None, reason=f"{NAME} not pulled: run agentx models pull {NAME}"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(PATH is None, reason=f"{NAME} not pulled: run agentx models pull {NAME}"),
+]
 
 
 def test_kquant_tensors_read_exactly():

@@ -12,6 +12,7 @@ from agentx import (
     SchedulerConfig,
     Session,
     SessionClosedError,
+    SpeculativeConfig,
     TurnInProgressError,
     UnknownToolCallError,
 )
@@ -178,24 +179,35 @@ async def test_misuse_raises_clear_errors(default_engine):
 
 
 async def test_hints_priority_pin_release(make_engine):
-    engine = make_engine(scheduler=SchedulerConfig(max_num_seqs=1))
+    # drafting off: a's decode must outlast the arrivals of b and c (drafts can finish it early)
+    engine = make_engine(
+        scheduler=SchedulerConfig(max_num_seqs=1), speculative=SpeculativeConfig(enabled=False)
+    )
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     a, b, c = (Session(engine, sampling=sampling) for _ in range(3))
     b.hint(priority=-1)
     c.hint(priority=5)
     order = []
 
-    async def turn(name, s, delay):
-        await anyio.sleep(delay)
-        # a decodes 64 tokens (seconds): b and c arrive while it holds the only running slot
-        length = SamplingParams(max_tokens=64, ignore_eos=True) if name == "a" else None
+    async def waiting(n):  # arrivals are ordered by the queue, not by wall-clock sleeps
+        while engine.stats().num_waiting < n:
+            await anyio.sleep(0.01)
+
+    async def turn(name, s, after):
+        await after()
+        # a decodes 256 tokens: b and c arrive while it holds the only running slot
+        length = SamplingParams(max_tokens=256, ignore_eos=True) if name == "a" else None
         await s.send(f"Session {name}.", sampling=length)
         order.append(name)
 
+    async def running():
+        while engine.stats().num_running < 1:
+            await anyio.sleep(0.01)
+
     async with anyio.create_task_group() as tg:
-        tg.start_soon(turn, "a", a, 0)
-        tg.start_soon(turn, "c", c, 0.3)  # both wait while a runs: b (-1) goes before c (5)
-        tg.start_soon(turn, "b", b, 0.6)
+        tg.start_soon(turn, "a", a, anyio.lowlevel.checkpoint)
+        tg.start_soon(turn, "c", c, running)  # both wait while a runs: b (-1) goes before c (5)
+        tg.start_soon(turn, "b", b, lambda: waiting(1))
     assert order == ["a", "b", "c"]
     a.hint(pin=True)
     wait_idle(engine)

@@ -131,7 +131,7 @@ class RouterAdapter(EngineAdapter):
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         try:
-            replica, stream = self.router.add_request(
+            replica, stream = self.router.route(
                 prompt_token_ids(request.prompt, self.router.tokenizer.encode),
                 sampling, session_id=request.session_id,
                 request_id=request.request_id,

@@ -1,6 +1,6 @@
 """Data-parallel replicas behind a session router, in the caller's process.
 
-    ReplicaRouter.add_request(prompt, session_id=...)
+    ReplicaRouter.route(prompt, session_id=...)  (add_request: the backend interface)
         -> RouterPolicy.choose(session_id, loads) -> replica r
         -> (the session moved and the policy migrates KV) source.flush_offload / export_held
            -> r.import_held                                 (through the shared tier)

@@ -122,6 +122,10 @@ def test_peer_engine_resolution(tmp_path, monkeypatch):
         str(tmp_path / "peers" / "hf" / "bin" / "python"),
         str(tmp_path / "peers" / "models" / "SmolLM2-135M-Instruct.Q4_1-hf"),
     ]
+    # an agentx variant given as a command line loads agentx's model, not the peers' export
+    assert _worker_argv("agentx-nospec", "w.py --speculative off", settings)[4:6] == [
+        "--model", "/m.gguf",
+    ]  # fmt: skip
     mine = EngineSettings("/m.gguf", 2, peer_models={"hf": "/hf"}, default_model=False)
     assert _worker_argv("hf", "", mine)[3] == "/hf"
     assert _worker_argv("x", "w.py --model /own --fast", mine) == [

@@ -79,7 +79,8 @@ class EngineSettings:
     def model_for(self, name: str) -> str:
         if name in self.peer_models:
             return self.peer_models[name]
-        if self.default_model and name not in ("agentx", "agentx-inproc", "agentx-vllm"):
+        # agentx and its variants (``agentx-nospec=COMMAND``...) load agentx's own model file
+        if self.default_model and not name.startswith("agentx"):
             models = env.peers_dir() / "models"
             converted = models / (PEER_GGUF if name == "llamacpp" else PEER_HF_FOLDER)
             if converted.exists():

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_TESTS := tests/test_session_backends.py tests/test_vllm_backend.py
+VLLM_TESTS := tests/session/test_session_backends.py tests/engine/vllm/test_vllm_backend.py
 export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: demo test test-fast lint bench clean
@@ -53,7 +53,8 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check agentx tests benchmarks examples
 	$(BIN)/ruff format --check agentx tests benchmarks examples
-	# the real coding model's tests (tests/test_qwen_coder.py): a no-op once it is in the cache
+	# the real coding model's tests (tests/engine/models/test_qwen_coder.py): a no-op once it is in the
+	# cache
 	$(BIN)/agentx models pull qwen2.5-coder-1.5b
 	$(BIN)/pyright --pythonpath $(BIN)/python
 	@if ! command -v ip >/dev/null; then ns=""; \
@@ -67,7 +68,8 @@ test: $(STAMP) $(VLLM_STAMP)
 		$(BIN)/python -m pytest -q --durations=20; \
 	fi
 	# the Session tests on the vLLM backend, in its own venv (they start no Mooncake, so they
-	# need no private namespace; the [agentx] halves of tests/test_session_backends.py ran above)
+	# need no private namespace; the [agentx] halves of tests/session/test_session_backends.py ran
+	# above)
 	$(VLLM_BIN)/python -m pytest -q -m vllm $(VLLM_TESTS)
 
 # the edit-test loop: no test marked slow (real models, worker processes, servers), no vLLM

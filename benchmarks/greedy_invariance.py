@@ -4,7 +4,7 @@
 
 Prints, per prompt, the first output index where batched / chunked (threshold 16) / preempted
 runs diverge from the run alone ("-" when identical). fp32 is tested for this in
-tests/test_engine_greedy.py; this script shows what other dtypes do.
+tests/engine/test_engine_greedy.py; this script shows what other dtypes do.
 """
 
 from __future__ import annotations

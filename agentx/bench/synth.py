@@ -1,6 +1,6 @@
 """Synthesize AgentX-shaped traces with the published statistics of agent traffic.
 
-Defaults (``scale=1``) reproduce the published figures (tests/test_bench_synth.py holds each):
+Defaults (``scale=1``) reproduce the published figures (tests/bench/test_bench_synth.py holds each):
 a median of 142K input tokens per request, 444 output tokens, 43 root-agent turns per session,
 a theoretical prefix hit rate above 96%, and 44% of sessions spawning subagents (median 4).
 

@@ -51,7 +51,7 @@ in-process).
 
 Replicas run in one process. ``torch.set_num_threads`` acts on the calling thread (OpenMP): a
 replica sets its ``num_threads`` on the thread that builds it, and the loop thread it starts
-then runs with that count (tests/test_router.py: two replicas at 1 thread each, the caller's
+then runs with that count (tests/engine/test_router.py: two replicas at 1 thread each, the caller's
 thread keeps its own).
 The loop threads share the GIL for the Python side of their steps (the ops release it).
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check (issue 13), one command for the H200 machine, under 8 minutes:
-#   1. the Triton kernel tests (tests/triton_cases.py) compiled on CUDA, in bfloat16
+#   1. the Triton kernel tests (tests/kernels/triton_cases.py) compiled on CUDA, in bfloat16
 #   2. decode attention bandwidth as a share of HBM peak (attention_bandwidth.py)
 #   3. engine prefill / decode tok/s on SmolLM2-135M's and Llama-1B's shapes (random weights),
 #      with and without CUDA graphs (engine_gpu.py)
@@ -29,7 +29,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 
 echo "== 1. kernel tests on CUDA (bfloat16)"
 TRITON_TEST_DEVICE=cuda AGENTX_KERNELS=triton timeout 150 $PY -m pytest -q -p no:cacheprovider \
-	tests/triton_cases.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -25 || status=1
+	tests/kernels/triton_cases.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -25 || status=1
 
 echo "== 2. decode attention bandwidth"
 timeout 90 $PY benchmarks/gpu/attention_bandwidth.py --json "$OUT/attention.json" 2>&1 \

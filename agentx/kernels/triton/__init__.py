@@ -1,7 +1,8 @@
 """The Triton backend (GPU): the same functions, with the same signatures, as ``kernels/ref``.
 
 Each kernel is tested against the reference under ``TRITON_INTERPRET=1`` on CPU
-(``tests/test_kernels_triton.py``); on a GPU ``benchmarks/gpu/check.sh`` runs the same tests in
+(``tests/kernels/test_kernels_triton.py``); on a GPU ``benchmarks/gpu/check.sh`` runs the same tests
+in
 bfloat16. Importing this package imports ``triton``: the dispatch (``agentx.kernels``) imports
 it only when the backend is chosen. Ops without a Triton kernel (MoE, quantized linear, the conv
 window) stay with the reference.

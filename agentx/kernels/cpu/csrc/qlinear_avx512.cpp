@@ -3,7 +3,7 @@
 //
 // Every integer dot product of a group is exact in both versions and the float steps per
 // column are the same operations in the same order, so the results equal the AVX2 kernel's bit
-// for bit (tests/test_kernels_cpu.py checks it); this is only faster.
+// for bit (tests/kernels/test_kernels_cpu.py checks it); this is only faster.
 //
 //   zmm lanes 0..7  = tile t    (columns 8t .. 8t + 7)
 //   zmm lanes 8..15 = tile t+1  (columns 8t + 8 .. 8t + 15)

@@ -1,0 +1,125 @@
+"""A state machine over the KV manager: requests allocate (taking prefix hits and held KV),
+decode, are held, forked, continued, released and freed in any order, under a pool small
+enough that held KV is reclaimed (evicted) to make room; ``check_integrity()`` holds after
+every step, and nothing is left used once every request is freed and every handle released.
+
+Deterministic (``derandomize``) and bounded (a few hundred short runs, well under 20 s)."""
+
+import itertools
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from agentx.engine.request import RequestStatus
+from tests.helpers.kv import make_manager, make_request
+
+NUM_BLOCKS = 12  # 11 usable blocks of 4 tokens: pressure after a few requests
+# a small alphabet: prompts share prefixes, so the prefix cache hits
+tokens = st.lists(st.integers(0, 3), min_size=1, max_size=14)
+
+
+class KVManagerMachine(RuleBasedStateMachine):
+    held = Bundle("held")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = make_manager(NUM_BLOCKS)
+        self.running: dict[str, object] = {}
+        self.ids = itertools.count()
+
+    def _admit(self, prompt: list[int], held_kv: str | None = None) -> None:
+        request = make_request(f"r{next(self.ids)}", prompt, hold_kv=True, held_kv=held_kv)
+        hit, num_hit = self.kv.get_computed_blocks(request)
+        if self.kv.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit) is None:
+            assert self.kv.get_blocks(request.request_id).get_block_ids() == ([],)
+            return  # the pool cannot hold it now: nothing changed for it
+        request.num_computed_tokens = request.num_tokens
+        self.running[request.request_id] = request
+
+    @rule(prompt=tokens)
+    def start(self, prompt):
+        self._admit(prompt)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def decode(self, data, token):
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        request = self.running[rid]
+        request.append_output_token(token)
+        if self.kv.allocate_slots(request, 1) is None:  # preempted: its blocks go back
+            self.kv.free(request)
+            del self.running[rid]
+            return
+        request.num_computed_tokens += 1
+
+    @precondition(lambda self: self.running)
+    @rule(target=held, data=st.data())
+    def hold(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        request = self.running.pop(rid)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.kv.hold(request)
+        return rid
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        self.kv.free(self.running.pop(rid))
+
+    @rule(target=held, handle=held)
+    def fork(self, handle):
+        new = f"{handle}/f{next(self.ids)}"
+        copies = self.kv.fork_held(handle, [new])
+        if copies is None:
+            return None  # gone (reclaimed) or no room for the tail copy
+        assert all(c.src_block_id != c.dst_block_id for c in copies)
+        return new
+
+    @rule(handle=consumes(held), extra=tokens)
+    def resume(self, handle, extra):
+        """The next turn of a held sequence adopts it (or the prefix cache if it was
+        reclaimed)."""
+        held = self.kv.get_held(handle)
+        if held is not None:
+            self._admit(held.token_ids + extra, held_kv=handle)
+            self.kv.release_held(handle)  # a no-op when the request adopted it
+
+    @rule(handle=consumes(held), drop_cached=st.booleans())
+    def release(self, handle, drop_cached):
+        self.kv.release_held(handle, drop_cached)
+
+    @rule(handle=held, pinned=st.booleans())
+    def pin(self, handle, pinned):
+        self.kv.pin_held(handle, pinned)
+
+    @invariant()
+    def integrity(self):
+        self.kv.check_integrity()
+
+    def teardown(self):
+        for request in self.running.values():
+            self.kv.free(request)
+        for held in list(self.kv.held):
+            self.kv.release_held(held.handle)
+        self.kv.check_integrity()
+        assert self.kv.get_num_used_blocks() == 0, "a block leaked"
+
+
+KVManagerMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_kv_manager_state_machine = KVManagerMachine.TestCase

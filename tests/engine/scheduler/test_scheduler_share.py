@@ -1,0 +1,268 @@
+"""The prefill share while requests decode: exact per-step token counts with a fixed cost model,
+the adaptive model converging on a fake clock, and the step times the scheduler measures."""
+
+import math
+from dataclasses import astuple
+
+import pytest
+
+from agentx.config import SchedulerConfig
+from agentx.engine.outputs import ModelRunnerOutput
+from agentx.engine.scheduler import (
+    AdaptiveStepCost,
+    FixedStepCost,
+    Scheduler,
+    StepCost,
+    StepCostModel,
+    make_step_cost,
+)
+from agentx.errors import ConfigError
+from tests.helpers.kv import make_manager, make_request
+
+# 20 ms a step + 0.5 ms a token + 2 ms a request: 4 decodes and one chunk leave
+# 100 - (20 + 4 * 0.5 + 5 * 2) = 68 ms for the chunk, 136 tokens
+COST = StepCost(base_ms=20.0, token_ms=0.5, request_ms=2.0)
+LONG = 2048
+
+
+class FakeClock:
+    """Seconds; a step advances it by what ``cost`` says the step takes."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_scheduler(cost_model=None, clock=None, num_blocks=700, **cfg):
+    cfg.setdefault("decode_step_target_ms", 100.0)
+    return Scheduler(
+        SchedulerConfig(**cfg),
+        make_manager(num_blocks),
+        max_model_len=4096,
+        cost_model=cost_model or FixedStepCost(COST),
+        clock=clock or FakeClock(),
+    )
+
+
+def step(s, cost=COST):
+    """One step with a fake runner; a fake clock runs for ``cost``'s time of the step."""
+    out = s.schedule()
+    if isinstance(s.clock, FakeClock):
+        s.clock.now += cost.estimate_ms(out.num_scheduled_tokens, len(out.scheduled)) / 1e3
+    sampled = {x.request_id: 1000 + x.num_output_tokens for x in out.scheduled if x.sample}
+    s.update_from_output(out, ModelRunnerOutput(sampled))
+    s.check_integrity()
+    return {x.request_id: len(x.token_ids) for x in out.scheduled}
+
+
+def start_decodes(s, max_tokens=40):
+    """Four 8-token requests, admitted in one step; afterwards each decodes one token a step."""
+    for i, rid in enumerate("abcd"):
+        s.add_request(make_request(rid, list(range(10 * i, 10 * i + 8)), max_tokens=max_tokens))
+    assert step(s) == dict.fromkeys("abcd", 8)
+
+
+DECODES = dict.fromkeys("abcd", 1)
+
+
+def test_long_prompt_gets_the_cost_models_share_while_four_requests_decode():
+    s = make_scheduler()
+    start_decodes(s)
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    for _ in range(5):
+        assert step(s) == {**DECODES, "long": 136}
+    assert s.requests["long"].num_computed_tokens == 5 * 136
+
+
+def test_long_prompt_gets_the_whole_budget_once_nothing_decodes():
+    s = make_scheduler()
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    assert step(s) == {"long": 2048}
+    # the same while decodes run, with the policy off
+    s = make_scheduler(decode_step_target_ms=0)
+    start_decodes(s)
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    assert step(s) == {**DECODES, "long": 2044}
+
+
+def test_share_returns_to_the_whole_budget_when_the_decodes_finish():
+    s = make_scheduler()
+    start_decodes(s, max_tokens=3)  # the admission step sampled the first token: 2 decode steps
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    assert step(s) == {**DECODES, "long": 136}
+    assert step(s) == {**DECODES, "long": 136}
+    assert step(s) == {"long": LONG - 2 * 136}  # a..d finished: nothing decodes
+    assert s.requests["long"].num_output_tokens == 1
+
+
+def test_share_never_drops_below_the_floor():
+    # 40 ms cannot hold 4 decodes and a chunk (20 + 2 + 10 = 32 ms, 16 tokens), floor 64
+    s = make_scheduler(decode_step_target_ms=40.0, decode_step_min_prefill_tokens=64)
+    start_decodes(s)
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    assert step(s) == {**DECODES, "long": 64}
+    s = make_scheduler(decode_step_target_ms=40.0, decode_step_min_prefill_tokens=8)
+    start_decodes(s)
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    assert step(s) == {**DECODES, "long": 16}
+
+
+def test_chunks_share_in_admission_order_and_decodes_still_run():
+    s = make_scheduler()
+    start_decodes(s)
+    s.add_request(make_request("p", list(range(100, 300))))
+    s.add_request(make_request("q", list(range(300, 500))))
+    assert step(s) == {**DECODES, "p": 136}  # the share is spent: q waits, in order
+    assert step(s) == {**DECODES, "p": 64, "q": 72}  # p's last 64, q the rest of the share
+    # p now decodes too: 5 decodes and one chunk: 100 - (20 + 2.5 + 12) = 65.5 ms -> 131 tokens
+    assert step(s) == {**DECODES, "p": 1, "q": 128}  # q has only 128 left
+    assert s.requests["q"].num_output_tokens == 1
+
+
+def test_long_prefill_threshold_still_caps_below_the_share():
+    s = make_scheduler(long_prefill_token_threshold=100)
+    start_decodes(s)
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    assert step(s) == {**DECODES, "long": 100}
+
+
+def test_prefill_schedule_interval_still_holds_new_prefills():
+    s = make_scheduler(prefill_schedule_interval=3)
+    start_decodes(s)  # step 0
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    assert step(s) == DECODES  # step 1
+    assert step(s) == DECODES  # step 2
+    assert step(s) == {**DECODES, "long": 136}  # step 3: admitted, with the share
+    assert step(s) == {**DECODES, "long": 136}  # running chunks continue every step
+
+
+def test_adaptive_model_converges_on_a_fake_clock():
+    # the prior thinks steps cost ~3x what the fake machine's do: 4 decodes already fill 100 ms,
+    # so the first chunk is the floor; measured steps then grow it to the machine's 136
+    prior = StepCost(base_ms=45.0, token_ms=1.9, request_ms=5.0)
+    s = make_scheduler(cost_model=AdaptiveStepCost(prior))
+    start_decodes(s, max_tokens=200)
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    chunks = [step(s)["long"] for _ in range(10)]
+    assert chunks[0] == 64
+    assert chunks == sorted(chunks)
+    assert all(abs(c - 136) <= 1 for c in chunks[-4:]), chunks  # floor() of a fitted float
+    fitted = s.cost_model.get_cost()
+    assert fitted.estimate_ms(4 + 136, 5) == pytest.approx(COST.estimate_ms(4 + 136, 5), rel=1e-2)
+    assert fitted.token_ms == pytest.approx(0.5, rel=2e-2)
+
+
+def test_adaptive_model_fits_exact_steps_and_keeps_what_decodes_do_not_say():
+    model = AdaptiveStepCost(StepCost(45.0, 1.9, 5.0))
+    assert model.get_cost() == StepCost(45.0, 1.9, 5.0)  # the prior until a step is seen
+    for num_tokens, num_requests in [(4, 4), (140, 5), (8, 8), (300, 2), (4, 4), (64, 3)] * 4:
+        model.observe(num_tokens, num_requests, COST.estimate_ms(num_tokens, num_requests))
+    for value, want in zip(astuple(model.get_cost()), (20.0, 0.5, 2.0), strict=True):
+        assert value == pytest.approx(want, rel=1e-6)
+    # 500 decode-only steps say nothing about a token's cost: the fit keeps it
+    for _ in range(500):
+        model.observe(4, 4, COST.estimate_ms(4, 4))
+    for value, want in zip(astuple(model.get_cost()), (20.0, 0.5, 2.0), strict=True):
+        assert value == pytest.approx(want, rel=1e-6)
+    # the machine turns twice as slow: some 80 steps of both kinds re-fit it
+    slow = StepCost(40.0, 1.0, 4.0)
+    for num_tokens, num_requests in [(4, 4), (140, 5), (8, 8), (300, 2)] * 20:
+        model.observe(num_tokens, num_requests, slow.estimate_ms(num_tokens, num_requests))
+    for value, want in zip(astuple(model.get_cost()), (40.0, 1.0, 4.0), strict=True):
+        assert value == pytest.approx(want, rel=1e-2)
+    assert model.num_observed == 24 + 500 + 80
+
+
+def test_adaptive_model_ignores_steps_it_cannot_use():
+    model = AdaptiveStepCost(StepCost(45.0, 1.9, 5.0))
+    for args in [(0, 0, 5.0), (4, 4, math.nan), (4, 4, math.inf), (4, 4, -1.0)]:
+        model.observe(*args)
+    assert model.num_observed == 0 and model.get_cost() == StepCost(45.0, 1.9, 5.0)
+
+
+def test_fitted_costs_are_never_negative():
+    model = AdaptiveStepCost(StepCost(45.0, 1.9, 5.0))
+    for num_tokens, num_requests, ms in [(4, 4, 100.0), (200, 1, 1.0), (2, 2, 400.0)] * 3:
+        model.observe(num_tokens, num_requests, ms)
+    cost = model.get_cost()
+    assert cost.base_ms >= 0 and cost.token_ms > 0 and cost.request_ms >= 0
+
+
+def test_step_cost_counts_tokens_that_fit():
+    assert COST.estimate_ms(10, 2) == 20 + 5 + 4
+    assert COST.get_num_tokens(100.0, 4, 4) == 136
+    assert COST.get_num_tokens(32.0, 4, 4) == 0  # the decodes alone use the target
+    assert COST.get_num_tokens(10.0, 4, 4) == 0
+
+
+class RecordingCost(StepCostModel):
+    def __init__(self) -> None:
+        self.seen = []
+
+    def get_cost(self) -> StepCost:
+        return COST
+
+    def observe(self, num_tokens, num_requests, step_ms) -> None:
+        self.seen.append((num_tokens, num_requests, step_ms))
+
+
+def test_scheduler_times_each_step_from_schedule_to_update():
+    recorder = RecordingCost()
+    s = make_scheduler(cost_model=recorder)
+    start_decodes(s)
+    step(s)
+    s.schedule()  # nothing to schedule: no step, nothing observed
+    for (tokens, requests, ms), want in zip(recorder.seen, [(32, 4), (4, 4)], strict=True):
+        assert (tokens, requests) == want
+        assert ms == pytest.approx(COST.estimate_ms(*want))
+    assert len(recorder.seen) == 2
+
+
+def test_config_builds_the_model_and_rejects_bad_values():
+    fixed = make_step_cost(SchedulerConfig(step_cost_model="fixed", step_cost_base_ms=7.0))
+    assert isinstance(fixed, FixedStepCost) and fixed.get_cost() == StepCost(7.0, 1.9, 5.0)
+    assert isinstance(make_step_cost(SchedulerConfig()), AdaptiveStepCost)
+    for bad in (
+        {"decode_step_target_ms": -1.0},
+        {"decode_step_target_ms": math.nan},
+        {"decode_step_min_prefill_tokens": 0},
+        {"step_cost_model": "oracle"},
+        {"step_cost_token_ms": 0.0},
+        {"step_cost_token_ms": math.inf},
+        {"step_cost_base_ms": -5.0},
+        {"step_cost_request_ms": math.nan},
+    ):
+        with pytest.raises(ConfigError):
+            SchedulerConfig(**bad)
+    with pytest.raises(ConfigError):
+        AdaptiveStepCost(COST, decay=1.0)
+
+
+def test_short_turns_are_admitted_whole_past_the_share():
+    # short_turn_tokens=256: two 200-token turns arriving together (a subagent burst) both run
+    # whole in one step beside the decodes, past the 136-token share; a 300-token turn does not
+    # count as short and gets the share as before
+    s = make_scheduler(short_turn_tokens=256)
+    start_decodes(s)
+    s.add_request(make_request("x", list(range(100, 300))))
+    s.add_request(make_request("y", list(range(300, 500))))
+    s.add_request(make_request("long", list(range(500, 800))))
+    assert step(s) == {**DECODES, "x": 200, "y": 200}
+    # six decodes now: 100 - (20 + 6 * 0.5 + 7 * 2) = 63 ms, 126 tokens for the long one
+    assert step(s) == {**DECODES, "x": 1, "y": 1, "long": 126}
+
+
+def test_without_short_turns_a_burst_trickles_in_at_the_share():
+    s = make_scheduler()
+    start_decodes(s)
+    s.add_request(make_request("x", list(range(100, 300))))
+    s.add_request(make_request("y", list(range(300, 500))))
+    assert step(s) == {**DECODES, "x": 136}
+    assert step(s) == {**DECODES, "x": 64, "y": 72}
+
+
+def test_short_turn_tokens_validation():
+    with pytest.raises(ConfigError, match="short_turn_tokens"):
+        SchedulerConfig(short_turn_tokens=-1)

@@ -1,4 +1,5 @@
-"""Checks the parallel tests share: greedy tokens equal world size 1 with prefix caching and
+"""What the parallel tests share: a small SmolLM2 config at tp ranks and prompts behind a
+shared prefix; checks that greedy tokens equal world size 1 with prefix caching and
 preemption, and a worker killed mid-generation failing every waiter with no process left."""
 
 from __future__ import annotations
@@ -10,7 +11,38 @@ from collections.abc import Callable
 
 import pytest
 
-from agentx import Engine, EngineDeadError, SamplingParams
+from agentx import (
+    CacheConfig,
+    Engine,
+    EngineConfig,
+    EngineDeadError,
+    ParallelConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
+
+NUM_BLOCKS = 12
+PROMPTS = ["The quick brown fox", "My favourite food is", "import numpy as np\n"]
+
+
+def tp_config(tp: int, **kw) -> EngineConfig:
+    """SmolLM2 at ``tp`` ranks (or another model: ``model=``), small enough to preempt."""
+    # 11 usable blocks: three ~100-token requests sharing 4 prefix blocks fill it, a fourth preempts
+    return EngineConfig(
+        cache=CacheConfig(num_blocks=kw.pop("num_blocks", NUM_BLOCKS), block_size=16),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=32, long_prefill_token_threshold=16, step_cost_model="fixed"
+        ),
+        parallel=ParallelConfig(tp=tp),
+        **kw,
+    )
+
+
+def long_prompts(engine: Engine, texts: list[str] = PROMPTS) -> list[list[int]]:
+    """Each text behind a shared 72-token prefix (4 full blocks of 16)."""
+    tok = engine.tokenizer
+    shared = tok.encode("You are a careful assistant. " * 12)  # 72 tokens: 4 full blocks
+    return [shared + tok.encode(p) for p in texts]
 
 
 def wait_for_tokens(stream) -> None:

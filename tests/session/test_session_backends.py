@@ -26,7 +26,7 @@ from agentx import (
     VLLMEngine,
 )
 from agentx.engine.backend import EngineBackend
-from tests.session.test_session_constraints import PROMPTS, City, add, ship, tag
+from tests.helpers.tools import TOOL_PROMPTS, City, add, ship, tag
 
 pytestmark = pytest.mark.slow
 
@@ -219,14 +219,14 @@ async def test_cancelled_turn_aborts_and_rolls_back(session_engine):
 async def test_constrained_turns_parse_and_validate(session_engine):
     sampling = SamplingParams(max_tokens=64)
     async with Session(session_engine, tools=[ship, tag, add], sampling=sampling) as s:
-        reply = await s.send(PROMPTS[2], tool_choice="required")
+        reply = await s.send(TOOL_PROMPTS[2], tool_choice="required")
         assert reply.content == "" and reply.tool_calls and reply.finish_reason == "stop"
         for call in reply.tool_calls:
             assert call.ok, call.error
             await s.tools[call.name].invoke(call.arguments)  # raises if invalid
         for call in reply.tool_calls:
             s.add_tool_result(call.id, "ok")
-        named = await s.send(PROMPTS[1], tool_choice={"name": "tag"})
+        named = await s.send(TOOL_PROMPTS[1], tool_choice={"name": "tag"})
         assert {c.name for c in named.tool_calls} == {"tag"} and all(c.ok for c in named.tool_calls)
     async with Session(session_engine, sampling=sampling) as s:
         reply = await s.send("Describe Paris as JSON.", response_format=City)

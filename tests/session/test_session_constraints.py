@@ -5,10 +5,8 @@ validate and come back ``parsed`` on the real model (``slow``)."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
 
 import pytest
-from pydantic import BaseModel, Field
 
 from agentx import InvalidRequestError, SamplingParams, Session
 from agentx.engine.models.loader import default_model_path
@@ -20,31 +18,9 @@ from agentx.session.constraints import (
     tool_call_grammar,
 )
 from agentx.session.tools import Tool, make_tools
+from tests.helpers.tools import TOOL_PROMPTS, City, add, ship, tag
 
 slow = pytest.mark.slow
-
-
-class Address(BaseModel):
-    city: Annotated[str, Field(max_length=24)]
-    zip_code: Annotated[str, Field(pattern=r"^[0-9]{5}$")]  # llguidance's \d is Unicode
-
-
-def ship(address: Address, priority: Literal["low", "normal", "high"], weight_kg: float) -> str:
-    """Ship a parcel to an address."""
-    return f"shipped {weight_kg} kg to {address.city} ({priority})"
-
-
-Label = Annotated[str, Field(max_length=16)]
-
-
-def tag(labels: Annotated[list[Label], Field(min_length=1, max_length=3)], count: int) -> str:
-    """Tag an item with labels."""
-    return f"{count}: {', '.join(labels)}"
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
 
 
 TOOLS = list(make_tools([ship, tag, add]).values())
@@ -134,12 +110,6 @@ def test_closing_objects_keeps_data_and_explicit_choices():
     assert "additionalProperties" not in props["free"]  # no properties listed: any object
     assert props["value"] == {"const": {"properties": {}}}
     assert "additionalProperties" not in tool.parameters  # the tool's own schema is untouched
-
-
-class City(BaseModel):
-    name: Annotated[str, Field(max_length=20)]
-    country: Annotated[str, Field(max_length=20)]
-    is_capital: bool
 
 
 def test_response_format_shapes():
@@ -248,13 +218,6 @@ def test_response_format_accepts_only_the_schema(accepts):
 # ---- sessions on the real model ---------------------------------------------------------------
 
 
-PROMPTS = [
-    "Ship a 2.5 kg parcel to Paris, 75001, with high priority.",
-    "Tag this photo with 'beach' and 'sunset'.",
-    "What is 17 plus 25?",
-]
-
-
 @slow
 async def test_required_calls_always_parse_and_validate(default_engine):
     """Temperature 1.0 over three tool shapes: every call validates. A turn that would run past
@@ -264,7 +227,7 @@ async def test_required_calls_always_parse_and_validate(default_engine):
         for seed in range(9):
             s = await base.fork()
             sampling = SamplingParams(temperature=1.0, seed=seed, max_tokens=96)
-            reply = await s.send(PROMPTS[seed % 3], tool_choice="required", sampling=sampling)
+            reply = await s.send(TOOL_PROMPTS[seed % 3], tool_choice="required", sampling=sampling)
             assert reply.content == "" and reply.tool_calls
             if reply.finish_reason == "length":
                 assert reply.usage.output_tokens <= 96
@@ -282,7 +245,7 @@ async def test_required_calls_always_parse_and_validate(default_engine):
 async def test_named_tool_choice_and_run_loop(default_engine):
     sampling = SamplingParams(max_tokens=48)
     async with Session(default_engine, tools=[ship, tag, add], sampling=sampling) as s:
-        reply = await s.send(PROMPTS[2], tool_choice={"name": "tag"})
+        reply = await s.send(TOOL_PROMPTS[2], tool_choice={"name": "tag"})
         assert [c.name for c in reply.tool_calls] and {c.name for c in reply.tool_calls} == {"tag"}
         assert all(c.ok for c in reply.tool_calls) and reply.finish_reason == "stop"
         child = await s.fork()  # the grammar ended with its turn
@@ -290,7 +253,7 @@ async def test_named_tool_choice_and_run_loop(default_engine):
         await child.close()
     async with Session(default_engine, tools=[ship, tag, add], sampling=sampling) as s:
         openai = {"type": "function", "function": {"name": "add"}}
-        reply = await s.run(PROMPTS[2], tool_choice=openai, max_turns=2)
+        reply = await s.run(TOOL_PROMPTS[2], tool_choice=openai, max_turns=2)
         (call,) = s.messages[1].tool_calls
         assert call.name == "add" and s.messages[2].content == str(add(**call.arguments))
         assert reply is s.messages[-1] and reply.finish_reason in ("stop", "length")
@@ -325,7 +288,7 @@ async def test_auto_and_none_never_produce_malformed_calls(default_engine):
         for seed, choice in [(0, "auto"), (1, "auto"), (0, "none")]:
             s = await base.fork()
             sampling = SamplingParams(temperature=1.0, seed=seed, max_tokens=64)
-            reply = await s.send(PROMPTS[seed], tool_choice=choice, sampling=sampling)
+            reply = await s.send(TOOL_PROMPTS[seed], tool_choice=choice, sampling=sampling)
             if choice == "none":
                 assert reply.tool_calls == [] and not reply.content.startswith("<")
             elif reply.finish_reason == "stop":

@@ -5,8 +5,7 @@ state: which handle goes first, reference counts, ``check_integrity()`` after ea
 from agentx import SamplingParams, Session
 from agentx.engine.hints import BranchPoint, TurnsLeft
 from agentx.engine.kv_cache.policy import HeldCandidate, default_eviction_order
-from tests.engine.kv_cache.test_kv_policy import assert_no_leak, make_kv, run_turn
-from tests.helpers.kv import make_request
+from tests.helpers.kv import assert_no_leak, make_kv, make_request, run_turn
 
 
 def test_default_order_releases_fewer_turns_left_first_then_least_recent():

@@ -9,10 +9,6 @@ import torch
 from agentx.config import CacheConfig, OffloadConfig
 from agentx.engine.kv_cache import (
     CheckpointPlan,
-    FullAttentionSpec,
-    KVCacheGroup,
-    KVCacheLayout,
-    KVCacheManager,
     KVPolicy,
     LinearStateSpec,
     ToolWaitDecision,
@@ -21,39 +17,10 @@ from agentx.engine.kv_cache import (
 from agentx.engine.kv_cache.retention import IntervalRetention, MarconiRetention
 from agentx.engine.offload.build import build_tiered_store
 from agentx.engine.offload.manager import OffloadManager
-from agentx.engine.request import RequestStatus
 from agentx.errors import ConfigError, KVPolicyError
-from tests.helpers.kv import BLOCK_SIZE, make_request
+from tests.helpers.kv import BLOCK_SIZE, FULL, assert_no_leak, make_kv, make_request, run_turn
 
-FULL = FullAttentionSpec(BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32)
 LINEAR = LinearStateSpec(BLOCK_SIZE, torch.float32, shapes=((2, 3), (16,)))
-
-
-def make_kv(num_blocks=9, policy=None, errors="raise", specs=(FULL,), retention=None):
-    groups = tuple(KVCacheGroup(spec, (i,)) for i, spec in enumerate(specs))
-    layout = KVCacheLayout(num_blocks, groups, 256)
-    return KVCacheManager(layout, retention=retention, policy=policy, policy_errors=errors)
-
-
-def run_turn(kv, rid, tokens, hold=False, end=True, **kw):
-    """Compute a request's prompt, sample one token (never computed) and end the turn."""
-    r = make_request(rid, tokens, hold_kv=hold, **kw)
-    hit, n = kv.get_computed_blocks(r)
-    kv.allocate_slots(r, len(tokens) - n, n, hit)
-    r.num_computed_tokens = len(tokens)
-    r.append_output_token(100)
-    r.status = RequestStatus.FINISHED_STOPPED
-    if end:
-        kv.finish_turn(r, hold=hold)
-        kv.check_integrity()
-    return r
-
-
-def assert_no_leak(kv):
-    for held in list(kv.held):
-        kv.release_held(held.handle)
-    kv.check_integrity()
-    assert kv.get_num_used_blocks() == 0
 
 
 SYSTEM = list(range(8))  # two blocks of a shared system prompt

@@ -22,7 +22,7 @@ from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.parallel import ParallelState
 from agentx.engine.runner.model_runner import plan_rank_layout, scheduler_layout
 from agentx.kernels.ref import merge_attention_parts, paged_attention, paged_attention_partial
-from tests.engine.parallel.test_parallel_tp import _config, _long_prompts
+from tests.helpers.parallel import long_prompts, tp_config
 from tests.helpers.parity import PARITY_PROMPTS, check_close_cached_and_preempted
 
 MIN_EXACT = 3
@@ -89,8 +89,8 @@ def test_dcp_config():
 
 @pytest.fixture(scope="module")
 def engines():
-    dcp2 = Engine(replace(_config(1), parallel=ParallelConfig(dcp=2)))
-    tp1 = Engine(_config(1))
+    dcp2 = Engine(replace(tp_config(1), parallel=ParallelConfig(dcp=2)))
+    tp1 = Engine(tp_config(1))
     yield tp1, dcp2
     tp1.close()
     dcp2.close()
@@ -99,6 +99,6 @@ def engines():
 @pytest.mark.slow  # real SmolLM2 engines in worker processes
 def test_dcp2_greedy_close_to_dcp1_cached_and_preempted(engines):
     tp1, dcp2 = engines
-    prompts = _long_prompts(tp1, list(PARITY_PROMPTS))
+    prompts = long_prompts(tp1, list(PARITY_PROMPTS))
     names = ("dcp=1", "dcp=2")
     check_close_cached_and_preempted(tp1, dcp2, prompts, min_exact=MIN_EXACT, names=names)

@@ -27,12 +27,12 @@ from agentx import ConfigError, Engine, ParallelConfig, SamplingParams
 from agentx.engine.executors.worker import WorkerCall
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.parallel import PrefillSplit, zigzag_rows
-from tests.engine.parallel.test_parallel_tp import _config
 from tests.helpers.models import save_hf_folder, tiny_hf_config
 from tests.helpers.parallel import (
     assert_no_process_left,
     check_greedy_cached_and_preempted,
     kill_rank_mid_generation,
+    tp_config,
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -80,7 +80,7 @@ def _prompts(num: int) -> list[list[int]]:
 
 
 def test_pcp2_layout_rows_greedy_preemption_and_dead_worker(tiny_folder):
-    config = _config(1, model=str(tiny_folder))
+    config = tp_config(1, model=str(tiny_folder))
     one = Engine(config)
     pcp = Engine(replace(config, parallel=ParallelConfig(dcp=2, pcp=2)))
     try:
@@ -129,14 +129,14 @@ def _check_kv_layout_and_rows(one: Engine, pcp: Engine) -> None:
 def test_smollm2_pcp2_greedy_close_to_world_size_1():
     """SmolLM2 behind the 72-token shared prefix, 16-token chunks: close to world size 1 by
     the parity rule (tests/helpers/parity.py), exact against itself from the prefix cache."""
-    from tests.engine.parallel.test_parallel_tp import _long_prompts
+    from tests.helpers.parallel import long_prompts
     from tests.helpers.parity import PARITY_PROMPTS, check_close_cached_and_preempted
 
     with (
-        Engine(_config(1)) as one,
-        Engine(replace(_config(1), parallel=ParallelConfig(dcp=2, pcp=2))) as pcp,
+        Engine(tp_config(1)) as one,
+        Engine(replace(tp_config(1), parallel=ParallelConfig(dcp=2, pcp=2))) as pcp,
     ):
-        prompts = _long_prompts(one, list(PARITY_PROMPTS))
+        prompts = long_prompts(one, list(PARITY_PROMPTS))
         names = ("world size 1", "pcp=2")
         check_close_cached_and_preempted(
             one, pcp, prompts, min_exact=SMOLLM2_MIN_EXACT, names=names

@@ -27,57 +27,42 @@ import transformers
 
 import agentx
 from agentx import (
-    CacheConfig,
     ConfigError,
     Engine,
     EngineConfig,
     ParallelConfig,
     SamplingParams,
-    SchedulerConfig,
 )
 from agentx.engine.parallel import HeadShard, ParallelState
 from tests.helpers.models import save_hf_folder, tiny_hf_config
-from tests.helpers.parallel import assert_no_process_left, kill_rank_mid_generation
+from tests.helpers.parallel import (
+    NUM_BLOCKS,
+    PROMPTS,
+    assert_no_process_left,
+    kill_rank_mid_generation,
+    long_prompts,
+    tp_config,
+)
 from tests.helpers.parity import PARITY_PROMPTS, check_close_cached_and_preempted
 
-NUM_BLOCKS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-PROMPTS = ["The quick brown fox", "My favourite food is", "import numpy as np\n"]
 NAMES = ("tp=1", "tp=2")
 MIN_EXACT = 3  # measured 5 of 10 (module docstring)
 
 
-def _config(tp: int, **kw) -> EngineConfig:
-    # 11 usable blocks: three ~100-token requests sharing 4 prefix blocks fill it, a fourth preempts
-    return EngineConfig(
-        cache=CacheConfig(num_blocks=kw.pop("num_blocks", NUM_BLOCKS), block_size=16),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=32, long_prefill_token_threshold=16, step_cost_model="fixed"
-        ),
-        parallel=ParallelConfig(tp=tp),
-        **kw,
-    )
-
-
 @pytest.fixture(scope="module")
 def engines():
-    tp2 = Engine(_config(2))
-    tp1 = Engine(_config(1))
+    tp2 = Engine(tp_config(2))
+    tp1 = Engine(tp_config(1))
     yield tp1, tp2
     tp1.close()
     tp2.close()
 
 
-def _long_prompts(engine: Engine, texts: list[str] = PROMPTS) -> list[list[int]]:
-    tok = engine.tokenizer
-    shared = tok.encode("You are a careful assistant. " * 12)  # 72 tokens: 4 full blocks
-    return [shared + tok.encode(p) for p in texts]
-
-
 @pytest.mark.slow  # real SmolLM2 engines in worker processes
 def test_tp2_greedy_close_to_tp1_cached_and_preempted(engines):
     tp1, tp2 = engines
-    prompts = _long_prompts(tp1, list(PARITY_PROMPTS))
+    prompts = long_prompts(tp1, list(PARITY_PROMPTS))
     check_close_cached_and_preempted(tp1, tp2, prompts, min_exact=MIN_EXACT, names=NAMES)
 
 
@@ -102,7 +87,7 @@ def test_tp2_pages_round_trip_over_ranks(engines):
 
 
 def test_tp2_close_leaves_no_process():
-    engine = Engine(_config(2, num_blocks=8))
+    engine = Engine(tp_config(2, num_blocks=8))
     pids = engine.core.runner.pids
     assert engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2))
     engine.close()
@@ -123,9 +108,9 @@ def tiny_folder(tmp_path_factory, engines):
 def test_tp2_replicated_kv_head_and_dead_worker(tiny_folder):
     prompt = list(range(5, 45))
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with Engine(_config(1, model=str(tiny_folder))) as tp1:
+    with Engine(tp_config(1, model=str(tiny_folder))) as tp1:
         want = tp1.generate(prompt, sampling)[0].token_ids
-    engine = Engine(_config(2, model=str(tiny_folder), num_blocks=160))
+    engine = Engine(tp_config(2, model=str(tiny_folder), num_blocks=160))
     try:
         assert engine.generate(prompt, sampling)[0].token_ids == want
         pids = kill_rank_mid_generation(engine, 1, prompt, 2000, sampling)
@@ -155,7 +140,7 @@ def test_head_shards():
     with pytest.raises(ConfigError):
         shards(9, 3, 4)  # 3 KV heads cannot be replicated over 4 ranks
     with pytest.raises(ConfigError):
-        Engine(_config(4))  # refused before any worker starts
+        Engine(tp_config(4))  # refused before any worker starts
 
 
 def test_tp2_at_module_level_without_a_main_guard_says_to_add_it(tmp_path):

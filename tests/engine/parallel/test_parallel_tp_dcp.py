@@ -34,12 +34,13 @@ from agentx import (
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.parallel import ParallelState
 from agentx.engine.runner.model_runner import plan_rank_layout, scheduler_layout
-from tests.engine.parallel.test_parallel_tp import _config, _long_prompts
 from tests.helpers.models import save_hf_folder, tiny_hf_config
 from tests.helpers.parallel import (
     assert_no_process_left,
     check_greedy_cached_and_preempted,
     kill_rank_mid_generation,
+    long_prompts,
+    tp_config,
 )
 from tests.helpers.parity import PARITY_PROMPTS, check_close_cached_and_preempted
 
@@ -67,7 +68,7 @@ def _rank_pages(pages: torch.Tensor, dtype: torch.dtype, shape: tuple) -> list[t
 
 
 def test_tp2_dcp2_layout_greedy_preemption_and_dead_worker(tiny_folder):
-    config = _config(1, model=str(tiny_folder))
+    config = tp_config(1, model=str(tiny_folder))
     one = Engine(config)
     grid = Engine(replace(config, parallel=ParallelConfig(tp=2, dcp=2)))
     try:
@@ -130,10 +131,10 @@ SMOLLM2_MIN_EXACT = 3
 
 @pytest.mark.slow  # real SmolLM2 engines in worker processes
 def test_smollm2_tp2_dcp2_greedy_close_to_world_size_1():
-    one = Engine(_config(1))
-    grid = Engine(replace(_config(1), parallel=ParallelConfig(tp=2, dcp=2)))
+    one = Engine(tp_config(1))
+    grid = Engine(replace(tp_config(1), parallel=ParallelConfig(tp=2, dcp=2)))
     try:
-        prompts = _long_prompts(one, list(PARITY_PROMPTS))
+        prompts = long_prompts(one, list(PARITY_PROMPTS))
         names = ("world size 1", "tp=2 x dcp=2")
         check_close_cached_and_preempted(
             one, grid, prompts, min_exact=SMOLLM2_MIN_EXACT, names=names

@@ -5,8 +5,8 @@ import pytest
 
 from agentx import SamplingParams, SchedulerConfig
 from agentx.errors import ConfigError
-from tests.engine.scheduler.test_scheduler_share import make_scheduler, step
 from tests.helpers.kv import make_request
+from tests.helpers.scheduler import make_scheduler, step
 
 # no decodes in these steps' way: the chunk share is the whole 256-token budget; a request
 # admitted with more than 512 tokens to compute is cold, and its lane's share is 64 tokens

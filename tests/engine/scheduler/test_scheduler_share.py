@@ -7,54 +7,18 @@ from dataclasses import astuple
 import pytest
 
 from agentx.config import SchedulerConfig
-from agentx.engine.outputs import ModelRunnerOutput
 from agentx.engine.scheduler import (
     AdaptiveStepCost,
     FixedStepCost,
-    Scheduler,
     StepCost,
     StepCostModel,
     make_step_cost,
 )
 from agentx.errors import ConfigError
-from tests.helpers.kv import make_manager, make_request
+from tests.helpers.kv import make_request
+from tests.helpers.scheduler import COST, make_scheduler, step
 
-# 20 ms a step + 0.5 ms a token + 2 ms a request: 4 decodes and one chunk leave
-# 100 - (20 + 4 * 0.5 + 5 * 2) = 68 ms for the chunk, 136 tokens
-COST = StepCost(base_ms=20.0, token_ms=0.5, request_ms=2.0)
 LONG = 2048
-
-
-class FakeClock:
-    """Seconds; a step advances it by what ``cost`` says the step takes."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_scheduler(cost_model=None, clock=None, num_blocks=700, **cfg):
-    cfg.setdefault("decode_step_target_ms", 100.0)
-    return Scheduler(
-        SchedulerConfig(**cfg),
-        make_manager(num_blocks),
-        max_model_len=4096,
-        cost_model=cost_model or FixedStepCost(COST),
-        clock=clock or FakeClock(),
-    )
-
-
-def step(s, cost=COST):
-    """One step with a fake runner; a fake clock runs for ``cost``'s time of the step."""
-    out = s.schedule()
-    if isinstance(s.clock, FakeClock):
-        s.clock.now += cost.estimate_ms(out.num_scheduled_tokens, len(out.scheduled)) / 1e3
-    sampled = {x.request_id: 1000 + x.num_output_tokens for x in out.scheduled if x.sample}
-    s.update_from_output(out, ModelRunnerOutput(sampled))
-    s.check_integrity()
-    return {x.request_id: len(x.token_ids) for x in out.scheduled}
 
 
 def start_decodes(s, max_tokens=40):

@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict, replace
 
 from agentx.bench import engines
-from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+from agentx.bench.agentx_adapter import AgentxAdapter, AgentxOptions
 from agentx.bench.metrics import percentile, run_metrics
 from agentx.bench.mixed import COLD, WARM, MixedConfig, mixed_trace, request_kind
 from agentx.bench.prompts import PromptBuilder
@@ -55,7 +55,7 @@ def run_one(args, trace, prompts, lanes: bool) -> dict:
     )
     num_sessions = len(trace.sessions)
     config = ReplayConfig(num_sessions, trace.meta["max_think"], progress=not args.no_progress)
-    result = asyncio.run(run_point(lambda: AgentxEngine(options), trace, config, prompts))
+    result = asyncio.run(run_point(lambda: AgentxAdapter(options), trace, config, prompts))
     requests = [
         {
             "id": r.request_id,

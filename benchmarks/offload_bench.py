@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict, replace
 
 from agentx.bench.adapter import GenerateRequest
-from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+from agentx.bench.agentx_adapter import AgentxAdapter, AgentxOptions
 from agentx.bench.metrics import run_metrics
 from agentx.bench.prompts import PromptBuilder, TokenSpace
 from agentx.bench.replay import ReplayConfig
@@ -32,7 +32,7 @@ from agentx.config import OffloadConfig
 PAGE_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # SmolLM2 fp32, block 16
 
 
-class HintedAgentx(AgentxEngine):
+class HintedAgentx(AgentxAdapter):
     """The in-process agentx engine telling it how long each turn's tool will take."""
 
     def __init__(self, options: AgentxOptions, hints: dict[str, float]) -> None:

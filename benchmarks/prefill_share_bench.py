@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 from agentx.bench import engines
-from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+from agentx.bench.agentx_adapter import AgentxAdapter, AgentxOptions
 from agentx.bench.metrics import run_metrics
 from agentx.bench.prompts import PromptBuilder
 from agentx.bench.replay import ReplayConfig
@@ -48,7 +48,7 @@ class ShareOptions(AgentxOptions):
         return replace(config, scheduler=scheduler)
 
 
-class ShareAgentx(AgentxEngine):
+class ShareAgentx(AgentxAdapter):
     """The in-process engine, reporting the step cost its scheduler ended with."""
 
     async def final_stats(self) -> dict | None:

@@ -118,7 +118,7 @@ class Counters:
         table[key] = table.get(key, 0) + 1
 
 
-class RecordingEngine(Engine):
+class RecordingAdapter(Engine):
     """An engine that keeps every request's prompt, sampling and stream for the replay."""
 
     def __init__(self, config: EngineConfig, log: RequestLog) -> None:
@@ -524,7 +524,7 @@ def soak(args) -> dict[str, object]:
     num_phases = max(1, int(args.seconds // args.phase_seconds))
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="agentx-soak-") as folder:
-        engine = RecordingEngine(engine_config(args, Path(folder)), log)
+        engine = RecordingAdapter(engine_config(args, Path(folder)), log)
         try:
             for phase in range(num_phases):
                 kind = FAULTS[phase % len(FAULTS)]
@@ -578,7 +578,7 @@ def restart_after_crash(engine, args, folder: Path, log: RequestLog, counters: C
     except EngineDeadError:
         pass
     engine.close()
-    return RecordingEngine(engine_config(args, folder), log)
+    return RecordingAdapter(engine_config(args, folder), log)
 
 
 def check_leaks(before: dict[str, object], counters: Counters) -> dict[str, object]:

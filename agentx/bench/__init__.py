@@ -11,7 +11,10 @@
     segments.py                     a prompt as text / token-id segments; adapters tokenize
     closed_loop.py                  a turn's prompt = the last prompt + generated ids + new text
     adapter.py                      EngineAdapter (the ABC the replay drives) and its records
-    fake_engine.py, agentx_engine.py, worker_engine.py   fake, in-process agentx, subprocess
+    fake_adapter.py                 FakeAdapter: simulated time per token, exact prefix cache
+    agentx_adapter.py               AgentxAdapter: agentx in process
+    agentx_vllm_adapter.py          AgentxVLLMAdapter: agentx on its vLLM backend
+    worker_adapter.py               WorkerAdapter: any engine behind the worker protocol
     protocol.py, worker.py          the worker protocol; the agentx worker
     fake_worker.py                  the fake engine as a worker (tests drivers without a model)
     engines.py                      engine specs -> adapters

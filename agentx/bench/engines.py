@@ -105,9 +105,9 @@ def _tokenizer(model: str):
 
 def model_encode(model: str) -> Encode:
     """Text -> ids with the tokenizer of ``model`` (loaded at the first call); an empty model
-    (the fake engine's) gets :func:`~agentx.bench.fake_engine.fake_encode`."""
+    (the fake engine's) gets :func:`~agentx.bench.fake_adapter.fake_encode`."""
     if not model:
-        from agentx.bench.fake_engine import fake_encode
+        from agentx.bench.fake_adapter import fake_encode
 
         return fake_encode
     loaded = []
@@ -136,11 +136,11 @@ def make_engine(spec: str, settings: EngineSettings) -> Callable[[], EngineAdapt
     """A factory: each call builds a fresh (unstarted) adapter, so every run starts cold."""
     name, _, command = spec.partition("=")
     if name == "fake" and not command:
-        from agentx.bench.fake_engine import FakeEngine
+        from agentx.bench.fake_adapter import FakeAdapter
 
-        return lambda: FakeEngine(decode_s_per_token=0.002)
+        return lambda: FakeAdapter(decode_s_per_token=0.002)
     if name == "agentx-inproc" and not command:
-        from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+        from agentx.bench.agentx_adapter import AgentxAdapter, AgentxOptions
 
         options = AgentxOptions(
             model=settings.model,
@@ -150,13 +150,13 @@ def make_engine(spec: str, settings: EngineSettings) -> Callable[[], EngineAdapt
             max_num_batched_tokens=settings.max_num_batched_tokens,
             parallel=dict(settings.parallel),
         )
-        return lambda: AgentxEngine(options)
+        return lambda: AgentxAdapter(options)
     argv = _worker_argv(name, command, settings)
-    from agentx.bench.worker_engine import WorkerEngine
+    from agentx.bench.worker_adapter import WorkerAdapter
 
     model = argv[argv.index("--model") + 1]
     encode = model_encode(model if name != "fake" else "")
-    return lambda: WorkerEngine(name, argv, encode=encode)
+    return lambda: WorkerAdapter(name, argv, encode=encode)
 
 
 def _worker_argv(name: str, command: str, settings: EngineSettings) -> list[str]:

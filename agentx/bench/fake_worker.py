@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from agentx.bench.fake_engine import FakeEngine
+from agentx.bench.fake_adapter import FakeAdapter
 from agentx.bench.worker import protocol_stdout, serve
 
 
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-s", type=float, default=0.001, help="seconds per output token")
     args = p.parse_args(argv)
     out = protocol_stdout()
-    asyncio.run(serve(FakeEngine(decode_s_per_token=args.decode_s), out))
+    asyncio.run(serve(FakeAdapter(decode_s_per_token=args.decode_s), out))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ Worker -> driver, on stdout, one JSON object per line (logs go to stderr)::
     {"ev": "error", "id": str | null, "message": str}
 
 Prompts travel as token ids: the driver's adapter tokenizes text prompts with the tokenizer of
-the worker's model (:mod:`agentx.bench.worker_engine`). Generation is greedy, ignores EOS and
+the worker's model (:mod:`agentx.bench.worker_adapter`). Generation is greedy, ignores EOS and
 produces exactly ``max_tokens`` output tokens. A worker accepts new ``generate`` lines while
 others run (it may process them serially). The driver timestamps events on receipt
 (``time.perf_counter``). After ``shutdown`` the worker exits.

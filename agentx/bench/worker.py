@@ -22,7 +22,7 @@ import threading
 
 from agentx.bench import protocol
 from agentx.bench.adapter import Done, EngineAdapter, GenerateRequest, Tokens
-from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+from agentx.bench.agentx_adapter import AgentxAdapter, AgentxOptions
 from agentx.bench.engines import PARALLEL_DEGREES
 
 
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     out = protocol_stdout()
     model = None if args.model in (None, "", "default") else args.model
     if args.backend == "vllm":
-        from agentx.bench.agentx_vllm_engine import AgentxVLLMEngine, AgentxVLLMOptions
+        from agentx.bench.agentx_vllm_adapter import AgentxVLLMAdapter, AgentxVLLMOptions
 
         vllm_options = AgentxVLLMOptions(
             model=model if model is None or os.path.isdir(model) else None,
@@ -200,9 +200,9 @@ def main(argv: list[str] | None = None) -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
             compile=args.vllm_compile == "on",
         )
-        asyncio.run(serve(AgentxVLLMEngine(vllm_options), out))
+        asyncio.run(serve(AgentxVLLMAdapter(vllm_options), out))
         return
-    asyncio.run(serve(AgentxEngine(agentx_options(args)), out))
+    asyncio.run(serve(AgentxAdapter(agentx_options(args)), out))
 
 
 def _scheduler_options(items: list[str]) -> dict:

@@ -3,7 +3,7 @@
 import asyncio
 
 from agentx.bench.adapter import Done
-from agentx.bench.fake_engine import FakeEngine, fake_encode
+from agentx.bench.fake_adapter import FakeAdapter, fake_encode
 from agentx.bench.prompts import PromptBuilder, TextPromptBuilder
 from agentx.bench.replay import Replay, ReplayConfig
 from agentx.bench.segments import Prompt
@@ -24,7 +24,7 @@ def replay(trace, engine, prompts, loop="closed"):
     return asyncio.run(go())
 
 
-class RecordingEngine(FakeEngine):
+class RecordingAdapter(FakeAdapter):
     """The fake engine, keeping every request's output ids."""
 
     def __init__(self) -> None:
@@ -54,7 +54,7 @@ def extends(longer, shorter):
 
 def test_each_turn_extends_the_last_prompt_and_its_output_exactly():
     for prompts in (TextPromptBuilder(64), PromptBuilder(64)):
-        engine = RecordingEngine()
+        engine = RecordingAdapter()
         result = replay(tree_trace(), engine, prompts)
         assert all(x.error is None for x in result.records)
         p, out = engine.prompts, engine.outputs
@@ -70,7 +70,7 @@ def test_each_turn_extends_the_last_prompt_and_its_output_exactly():
 
 
 def test_open_loop_sends_the_trace_tokens():
-    engine = RecordingEngine()
+    engine = RecordingAdapter()
     replay(tree_trace(), engine, PromptBuilder(64), loop="open")
     p = engine.prompts
     assert p["s#1"][:128] == p["s#0"]  # the trace's block 1, 2, not the engine's output
@@ -82,7 +82,7 @@ def test_open_loop_sends_the_trace_tokens():
 def test_a_synthesized_session_in_closed_loop():
     trace = synthesize(SynthConfig(num_sessions=2, seed=1, scale=0.02, output_scale=0.05,
                                    max_context_tokens=4096))  # fmt: skip
-    engine = RecordingEngine()
+    engine = RecordingAdapter()
     result = replay(trace, engine, TextPromptBuilder(64))
     assert all(x.error is None for x in result.records)
     for session in trace.sessions:
@@ -101,12 +101,12 @@ def test_a_synthesized_session_in_closed_loop():
         assert num_extending >= 1
 
 
-class NoIdsEngine(FakeEngine):
+class NoIdsAdapter(FakeAdapter):
     async def generate(self, request):
         async for event in super().generate(request):
             yield Done(event.num_output, event.num_cached) if isinstance(event, Done) else event
 
 
 def test_an_engine_without_output_ids_fails_closed_loop_turns():
-    result = replay(tree_trace(), NoIdsEngine(), PromptBuilder(64))
+    result = replay(tree_trace(), NoIdsAdapter(), PromptBuilder(64))
     assert all("returned no output token ids" in x.error for x in result.records)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agentx.bench.adapter import EngineInfo
-from agentx.bench.fake_engine import FakeEngine
+from agentx.bench.fake_adapter import FakeAdapter
 from agentx.bench.mixed import COLD, WARM, WARM_UP, MixedConfig, mixed_trace, request_kind
 from agentx.bench.records import RequestRecord, RunResult
 from agentx.bench.replay import Replay, ReplayConfig
@@ -61,7 +61,7 @@ def test_request_kinds_of_a_replay():
         warm_think_time=0.0, cold_delay=0.0, system_tokens=128,
     )  # fmt: skip
     trace = mixed_trace(config)
-    replay = Replay(trace, FakeEngine(), ReplayConfig(3, config.max_think, progress=False))
+    replay = Replay(trace, FakeAdapter(), ReplayConfig(3, config.max_think, progress=False))
     result = asyncio.run(replay.run(None))
     kinds = sorted((r.request_id, request_kind(r)) for r in result.records)
     assert kinds == [

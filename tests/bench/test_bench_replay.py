@@ -3,7 +3,7 @@
 import asyncio
 
 from agentx.bench.adapter import BenchEngineError, Done, Tokens
-from agentx.bench.fake_engine import FakeEngine
+from agentx.bench.fake_adapter import FakeAdapter
 from agentx.bench.replay import Replay, ReplayConfig
 from agentx.bench.trace import SessionTrace, Subagent, Trace, TraceRequest
 
@@ -31,7 +31,7 @@ def replay(trace, engine, **kw):
 
 
 def test_parent_waits_for_its_subagents():
-    engine = FakeEngine(decode_s_per_token=0.01)
+    engine = FakeAdapter(decode_s_per_token=0.01)
     result = replay(tree_trace(), engine)
     assert engine.log == [
         ("start", "s#0", "s"),
@@ -68,14 +68,14 @@ def test_parent_waits_for_its_subagents():
 
 def test_concurrency_limits_live_session_trees():
     sessions = tuple(SessionTrace(f"s{i}", (r(64, 4, [i]),)) for i in range(5))
-    engine = FakeEngine(decode_s_per_token=0.01)
+    engine = FakeAdapter(decode_s_per_token=0.01)
     result = replay(Trace("t", 64, sessions), engine, concurrency=2)
     assert engine.max_live == 2
     starts = [e[1] for e in engine.log if e[0] == "start"]
     assert starts == ["s0#0", "s1#0", "s2#0", "s3#0", "s4#0"]
     by_id = {x.request_id: x for x in result.records}
     assert by_id["s2#0"].submit_time >= min(by_id["s0#0"].end_time, by_id["s1#0"].end_time)
-    engine = FakeEngine(decode_s_per_token=0.01)
+    engine = FakeAdapter(decode_s_per_token=0.01)
     replay(Trace("t", 64, sessions), engine, concurrency=8)
     assert engine.max_live == 5
 
@@ -84,17 +84,17 @@ def test_think_time_is_honoured_and_capped():
     steps = (r(64, 2, [1]), r(128, 2, [1, 2], think=0.3))
     trace = Trace("t", 64, (SessionTrace("s", steps),))
     for cap, low, high in ((1.0, 0.3, 0.6), (0.1, 0.1, 0.28)):
-        result = replay(trace, FakeEngine(), max_think=cap)
+        result = replay(trace, FakeAdapter(), max_think=cap)
         first, second = result.records
         gap = second.submit_time - first.end_time
         assert low <= gap < high, (cap, gap)
-    result = replay(trace, FakeEngine(), max_think=0)
+    result = replay(trace, FakeAdapter(), max_think=0)
     assert result.records[1].submit_time - result.records[0].end_time < 0.1
 
 
 def test_stop_keeps_what_was_measured():
     sessions = tuple(SessionTrace(f"s{i}", (r(64, 3, [i]), r(64, 50, [i]))) for i in range(3))
-    engine = FakeEngine(decode_s_per_token=0.01)
+    engine = FakeAdapter(decode_s_per_token=0.01)
 
     async def go():
         rep = Replay(Trace("t", 64, sessions), engine, ReplayConfig(3, progress=False))
@@ -107,7 +107,7 @@ def test_stop_keeps_what_was_measured():
     assert result.num_requests_planned == 6
 
 
-class FailingEngine(FakeEngine):
+class FailingAdapter(FakeAdapter):
     async def generate(self, request):
         if request.request_id == "s#0":
             yield Tokens(1)
@@ -118,7 +118,7 @@ class FailingEngine(FakeEngine):
 
 def test_a_failed_request_is_recorded_and_the_agent_goes_on():
     steps = (r(64, 2, [1]), r(128, 2, [1, 2]))
-    result = replay(Trace("t", 64, (SessionTrace("s", steps),)), FailingEngine())
+    result = replay(Trace("t", 64, (SessionTrace("s", steps),)), FailingAdapter())
     first, second = result.records
     assert (first.error, first.num_output_tokens) == ("BenchEngineError: boom", 1)
     assert second.ok and second.num_output_tokens == 2 and second.num_cached_tokens is None

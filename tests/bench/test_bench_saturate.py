@@ -7,7 +7,7 @@ import json
 import pytest
 
 from agentx.bench.cli import bench_main
-from agentx.bench.fake_engine import FakeEngine
+from agentx.bench.fake_adapter import FakeAdapter
 from agentx.bench.format_agentx import dump_agentx
 from agentx.bench.pd_model import (
     RequestDemand,
@@ -201,7 +201,7 @@ def test_saturate_requires_a_trace_and_an_out_folder(capsys):
     assert "the following arguments are required: --out" in capsys.readouterr().err
 
 
-def test_saturate_end_to_end_on_the_fake_engine(tmp_path):
+def test_saturate_end_to_end_on_the_fake_adapter(tmp_path):
     trace = tmp_path / "t.jsonl"
     dump_agentx(small_trace(), trace)
     out = tmp_path / "sat"
@@ -244,7 +244,7 @@ def test_saturate_end_to_end_on_the_fake_engine(tmp_path):
 @pytest.mark.parametrize(("distinct", "num_cached"), [(False, 3 * 192), (True, 0)])
 def test_decode_probe_shares_all_but_the_last_block_unless_distinct(distinct, num_cached):
     config = SaturateConfig(decode_tokens=3, distinct_contexts=distinct)
-    engine = FakeEngine()
+    engine = FakeAdapter()
     prober = Prober(engine, PromptBuilder(64), config)
     row = asyncio.run(prober.decode(3, 256))
     assert (row["batch"], row["context_tokens"]) == (3, 256)

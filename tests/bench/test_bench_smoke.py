@@ -7,12 +7,12 @@ import sys
 import pytest
 
 from agentx.bench.adapter import Done, GenerateRequest, Tokens
-from agentx.bench.agentx_engine import AgentxEngine, AgentxOptions
+from agentx.bench.agentx_adapter import AgentxAdapter, AgentxOptions
 from agentx.bench.metrics import run_metrics
 from agentx.bench.replay import Replay, ReplayConfig
 from agentx.bench.synth import SynthConfig, synthesize
 from agentx.bench.trace_stats import trace_stats
-from agentx.bench.worker_engine import WorkerEngine
+from agentx.bench.worker_adapter import WorkerAdapter
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_replay_on_agentx_in_process():
     trace = synthesize(config)
     stats = trace_stats(trace)
     assert (stats.num_requests, stats.num_output_tokens) == (15, 102)
-    engine = AgentxEngine(AgentxOptions(threads=2, kv_cache_bytes=128 << 20))
+    engine = AgentxAdapter(AgentxOptions(threads=2, kv_cache_bytes=128 << 20))
 
     async def go():
         info = await engine.start()
@@ -52,7 +52,7 @@ def test_closed_loop_text_replay_on_agentx_in_process():
     from agentx.bench.prompts import TextPromptBuilder
 
     trace = synthesize(SynthConfig(num_sessions=2, seed=1, scale=0.01, max_context_tokens=1024))
-    engine = AgentxEngine(AgentxOptions(threads=2, kv_cache_bytes=128 << 20))
+    engine = AgentxAdapter(AgentxOptions(threads=2, kv_cache_bytes=128 << 20))
 
     async def go():
         info = await engine.start()
@@ -78,7 +78,7 @@ def test_agentx_worker_speaks_the_protocol():
     ]  # fmt: skip
 
     async def go():
-        engine = WorkerEngine("agentx", command)
+        engine = WorkerAdapter("agentx", command)
         info = await engine.start()
         try:
             assert info.engine == "agentx" and info.config["max_model_len"] == 8192

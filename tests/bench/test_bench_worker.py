@@ -7,9 +7,9 @@ import pytest
 
 from agentx.bench import protocol
 from agentx.bench.adapter import BenchEngineError, Done, GenerateRequest, Tokens
-from agentx.bench.fake_engine import fake_encode
+from agentx.bench.fake_adapter import fake_encode
 from agentx.bench.segments import Prompt
-from agentx.bench.worker_engine import WorkerEngine
+from agentx.bench.worker_adapter import WorkerAdapter
 
 FAKE = [sys.executable, "-m", "agentx.bench.fake_worker", "--model", "x", "--threads", "1"]
 
@@ -39,9 +39,9 @@ async def collect(engine, rid, prompt, n):
     return [e async for e in engine.generate(GenerateRequest(rid, "s", prompt, n))]
 
 
-def test_worker_engine_on_the_fake_worker():
+def test_worker_adapter_on_the_fake_worker():
     async def go():
-        engine = WorkerEngine("fake", FAKE)
+        engine = WorkerAdapter("fake", FAKE)
         info = await engine.start()
         assert (info.engine, info.version) == ("fake", "0")
         prompt = list(range(100, 140))
@@ -63,7 +63,7 @@ def test_worker_engine_on_the_fake_worker():
 
 def test_worker_that_dies_fails_requests():
     async def go():
-        engine = WorkerEngine("bad", [sys.executable, "-c", "import sys; sys.exit(3)"])
+        engine = WorkerAdapter("bad", [sys.executable, "-c", "import sys; sys.exit(3)"])
         with pytest.raises(BenchEngineError, match="exited with code 3"):
             await engine.start()
         await engine.close()
@@ -73,7 +73,7 @@ def test_worker_that_dies_fails_requests():
 
 def test_speculative_flag_reaches_the_engine_config():
     from agentx import SpeculativeConfig
-    from agentx.bench.agentx_engine import AgentxOptions
+    from agentx.bench.agentx_adapter import AgentxOptions
     from agentx.bench.worker import parse_args
 
     assert parse_args([]).speculative is None
@@ -106,7 +106,7 @@ def test_output_ids_come_back_when_asked():
     assert protocol.done_ev("r", 2, 0, (5, 6)).endswith(b'"num_cached":0,"token_ids":[5,6]}\n')
 
     async def go():
-        engine = WorkerEngine("fake", FAKE, encode=fake_encode)
+        engine = WorkerAdapter("fake", FAKE, encode=fake_encode)
         await engine.start()
         request = GenerateRequest("a", "s", Prompt(("some text here", (7, 8))), 2, return_ids=True)
         events = [e async for e in engine.generate(request)]

@@ -23,7 +23,7 @@ def fake_encode(text: str) -> list[int]:
     return [17 + zlib.crc32(text[i : i + 4].encode()) % 49_000 for i in range(0, len(text), 4)]
 
 
-class FakeEngine(EngineAdapter):
+class FakeAdapter(EngineAdapter):
     name = "fake"
 
     def __init__(

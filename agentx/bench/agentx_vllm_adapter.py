@@ -50,7 +50,7 @@ class AgentxVLLMOptions:
         )
 
 
-class AgentxVLLMEngine(EngineAdapter):
+class AgentxVLLMAdapter(EngineAdapter):
     name = "agentx-vllm"
 
     def __init__(self, options: AgentxVLLMOptions | None = None) -> None:

@@ -28,7 +28,7 @@ from agentx.bench.segments import Encode, cached_encode, prompt_token_ids
 _STREAM_LIMIT = 1 << 24  # bytes per line; prompts are long JSON lists
 
 
-class WorkerEngine(EngineAdapter):
+class WorkerAdapter(EngineAdapter):
     def __init__(
         self,
         name: str,

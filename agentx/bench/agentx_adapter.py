@@ -99,7 +99,7 @@ class AgentxOptions:
         return SpeculativeConfig(enabled=self.speculative)
 
 
-class AgentxEngine(EngineAdapter):
+class AgentxAdapter(EngineAdapter):
     name = "agentx"
 
     def __init__(self, options: AgentxOptions | None = None) -> None:

@@ -196,3 +196,66 @@ def test_scratch_arena_allocates_nothing_in_steady_state(bits):
     assert all(torch.equal(r, results[0]) for r in results[1:3])
     assert torch.equal(results[3], results[4])
     assert torch.equal(results[0], cpu.quantized_linear(x, *packed, None, bits))  # this thread
+
+
+def _tiny_layer(rows: int, bits: int = 4):
+    """A one-head fused layer (hidden 64, head_dim 64, inter 64) over a one-block cache: the
+    op's arguments for ``rows`` tokens at positions 0..rows-1 of one request."""
+    gen = torch.Generator().manual_seed(rows)
+    hidden = head_dim = inter = 64
+
+    def linear(out_features: int, in_features: int) -> cpu.FusedLinear:
+        weight = torch.randn(out_features, in_features, generator=gen) * 0.1
+        return cpu.FusedLinear(
+            *ref_quant.pack_weight(*ref_quant.quantize_weight(weight, bits), bits), bits
+        )
+
+    weights = cpu.FusedLayerWeights(
+        torch.ones(hidden),
+        linear(3 * head_dim, hidden),
+        linear(hidden, head_dim),
+        torch.ones(hidden),
+        linear(2 * inter, hidden),
+        linear(hidden, inter),
+    )
+    positions = torch.arange(rows)
+    angles = torch.arange(16)[:, None] * torch.rand(head_dim // 2, generator=gen)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return (
+        torch.randn(rows, hidden, generator=gen),
+        positions,
+        cos_sin,
+        weights,
+        torch.zeros(1, 2, 16, 1, head_dim),
+        positions.clone(),  # slots 0..rows-1 of block 0
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.zeros(rows, dtype=torch.long),
+        positions + 1,
+        1,
+        1e-6,
+        head_dim**-0.5,
+        None,
+    )
+
+
+@needs_kernels
+def test_fused_layer_nests_its_linears_scratch_without_allocating_again():
+    """The fused layer holds its intermediate rows in a scratch frame while each projection
+    takes its own inside it: after the first call, the same call allocates nothing and gives
+    the same bits."""
+    args = _tiny_layer(rows=5)
+    stats: list[list[int]] = []
+    outs: list[torch.Tensor] = []
+
+    def calls() -> None:
+        for _ in range(3):
+            outs.append(cpu.fused_decoder_layer(*args))
+            stats.append(torch.ops.agentx.scratch_stats())
+
+    thread = threading.Thread(target=calls)
+    thread.start()
+    thread.join()
+    held, allocations = stats[0]
+    assert held >= 5 * 64 * 4 * 6  # six float buffers of at least 64 floats a row
+    assert stats[1] == stats[2] == [held, allocations]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])

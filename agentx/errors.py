@@ -26,11 +26,15 @@ Every error agentx raises on purpose derives from :class:`AgentXError`::
     │                          or asked to start outside a private network namespace)
     ├── TraceError             a benchmark trace file is invalid (names the file, the record and
     │                          the field; also a ValueError)
-    └── SessionError           misuse of a Session
-        ├── SessionClosedError     the session (or its parent) was closed
-        ├── TurnInProgressError    a second turn while one is open on the same session
-        └── UnknownToolCallError   a tool result for a call id the model did not make (also
-                                   an InvalidRequestError)
+    ├── SessionError           misuse of a Session
+    │   ├── SessionClosedError     the session (or its parent) was closed
+    │   ├── TurnInProgressError    a second turn while one is open on the same session
+    │   └── UnknownToolCallError   a tool result for a call id the model did not make (also
+    │                              an InvalidRequestError)
+    └── KernelFallbackWarning  a warning category, never raised (also a RuntimeWarning): the
+                               compiled CPU kernels were wanted but could not build or load (no
+                               compiler, a failed build, a CPU without AVX2), so every op runs
+                               on the much slower reference kernels; issued once per process
 
 ``InvalidRequestError``, ``ConfigError`` and ``TraceError`` are also ``ValueError`` so that code
 that already catches ``ValueError`` for bad input keeps working.
@@ -52,6 +56,7 @@ __all__ = [
     "InstanceDeadError",
     "InvalidRequestError",
     "KVPolicyError",
+    "KernelFallbackWarning",
     "ModelLoadError",
     "ModelNotFoundError",
     "OffloadError",
@@ -175,6 +180,11 @@ class KVPolicyError(AgentXError):
 
 class OffloadError(AgentXError):
     """An offload tier cannot start; a running tier never raises, it misses and skips."""
+
+
+class KernelFallbackWarning(AgentXError, RuntimeWarning):
+    """The compiled CPU kernels fell back to the reference kernels (``warnings.warn`` category;
+    ``-W error::agentx.errors.KernelFallbackWarning`` makes the fallback fatal)."""
 
 
 def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:

@@ -2,7 +2,9 @@
 
 Each measurement runs in a fresh Python process. With a new ``AGENTX_CACHE_DIR`` the first
 process reads the GGUF file (and writes the engine's cached checkpoint); the next ones start from
-the cache, as every later run on a machine does. Prints one Markdown row per process.
+the cache, as every later run on a machine does. The compiled CPU kernels are built at install
+(``make``), so the new cache shares the real one's ``kernels/`` (built first if missing).
+Prints one Markdown row per process.
 
     python benchmarks/startup_bench.py [--runs 3] [--quantization none|auto]
 """
@@ -15,6 +17,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+from agentx import env as agentx_env
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -42,8 +47,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quantization", default="none")
     args = parser.parse_args()
-    env = dict(os.environ, AGENTX_CACHE_DIR=tempfile.mkdtemp(prefix="agentx-startup-"))
+    cache = Path(tempfile.mkdtemp(prefix="agentx-startup-"))
+    shared_kernels = agentx_env.cache_dir() / "kernels"
+    shared_kernels.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(shared_kernels, target_is_directory=True)
+    env = dict(os.environ, AGENTX_CACHE_DIR=str(cache))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    subprocess.run([sys.executable, "-m", "agentx.kernels.cpu"], env=env, check=True)
     print(f"quantization={args.quantization}, cache {env['AGENTX_CACHE_DIR']}")
     print("| process | import agentx s | Engine() s | ready s | first turn (chat, 1 token) s "
           "| max RSS MiB |\n|---|---|---|---|---|---|")  # fmt: skip

@@ -8,7 +8,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from agentx import CacheConfig, Engine, EngineConfig, SchedulerConfig  # noqa: E402
+from agentx import CacheConfig, Engine, EngineConfig, SchedulerConfig, env  # noqa: E402
 from agentx.engine.models.loader import default_model_path  # noqa: E402
 
 CHAT = [{"role": "user", "content": "What is 2+2? Answer in one short sentence."}]
@@ -74,9 +74,13 @@ def greedy_prompts(default_engine):
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    """A private AGENTX_CACHE_DIR for one module (built tokenizers land there)."""
+    """A private AGENTX_CACHE_DIR for one module (built tokenizers land there). Its kernels/
+    is the real cache's, so the compiled CPU kernels are not built again for it."""
     with pytest.MonkeyPatch.context() as patch:
         path = tmp_path_factory.mktemp("agentx-cache")
+        shared_kernels = env.cache_dir() / "kernels"
+        shared_kernels.mkdir(parents=True, exist_ok=True)
+        (path / "kernels").symlink_to(shared_kernels, target_is_directory=True)
         patch.setenv("AGENTX_CACHE_DIR", str(path))
         yield path
 

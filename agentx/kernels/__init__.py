@@ -11,13 +11,18 @@ device (on CPU that runs only under ``TRITON_INTERPRET=1``), and turns the C++ k
 Without CUDA (and not forced) Triton is never imported and the ops are the reference's own
 functions, so CPU paths pay no dispatch.
 The C++ library is built and loaded on the first call of one of its ops (or by
-:func:`prepare`), not at import, so ``import agentx`` stays cheap.
+:func:`prepare`), not at import, so ``import agentx`` stays cheap. :func:`prepare` also logs,
+once per process, which kernels serve the ops (:func:`get_active_kernels`); when the compiled
+kernels were wanted but could not build or load, ``cpu/build.py`` says so loudly.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -29,6 +34,8 @@ from agentx.kernels import ref as _ref
 from agentx.kernels.ref import quant as _ref_quant
 
 BACKEND = env.kernel_backend()
+_log = logging.getLogger(__name__)
+_logged: list[bool] = []  # the active kernels were logged (once per process)
 
 
 def _load_triton() -> ModuleType | None:
@@ -85,9 +92,56 @@ def cpu_kernels_enabled() -> bool:
     return False
 
 
-def prepare() -> bool:
-    """Build / load the compiled kernels now (the engine calls it at start)."""
-    return cpu_kernels_enabled()
+def prepare(cpu: bool = True) -> bool:
+    """Build / load the compiled kernels now when ``cpu`` (the engine calls it at start; False
+    for an engine on another device) and log the active kernels, once per process. True when
+    the compiled CPU kernels serve their ops."""
+    enabled = cpu and cpu_kernels_enabled()
+    if not _logged:
+        _logged.append(True)
+        active = get_active_kernels(cpu)
+        _log.info(
+            "agentx kernels: backend %s%s, ISA %s, build %s",
+            active.backend,
+            f" (CUDA tensors: {active.cuda_backend})" if active.cuda_backend else "",
+            active.isa or "none",
+            active.build_dir or "none",
+        )
+    return enabled
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveKernels:
+    """Which kernels serve the ops in this process.
+
+    backend       what CPU tensors' ops run on: ``cpu`` (the compiled kernels for the ops they
+                  have, the reference for the rest), ``ref``, or ``triton`` (``AGENTX_KERNELS=
+                  triton``: every op Triton has, whatever the device)
+    cuda_backend  ``triton`` when Triton serves CUDA tensors, else None
+    isa           the compiled kernels' instructions (``avx2`` / ``avx512``), None without them
+    build_dir     where the compiled kernels were loaded from, None without them
+    """
+
+    backend: str
+    cuda_backend: str | None
+    isa: str | None
+    build_dir: Path | None
+
+
+def get_active_kernels(cpu: bool = True) -> ActiveKernels:
+    """The kernels serving the ops now; ``cpu`` False: without asking for the compiled ones
+    (nothing is built)."""
+    compiled = cpu and cpu_kernels_enabled()
+    if BACKEND == "triton":
+        backend = "triton"
+    else:
+        backend = "cpu" if compiled else "ref"
+    return ActiveKernels(
+        backend=backend,
+        cuda_backend="triton" if _TRITON is not None else None,
+        isa=_cpu.get_isa() if compiled else None,
+        build_dir=_cpu.get_build_dir() if compiled else None,
+    )
 
 
 def quantized_linear(
@@ -126,12 +180,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, *args, **kwargs) ->
 paged_attention_with_lse = _pick("paged_attention_with_lse")
 
 
-def fused_decoder_layer(*args, **kwargs) -> torch.Tensor:
-    """A whole pre-norm SwiGLU layer over quantized weights (compiled CPU kernels only:
-    callers check :func:`cpu_kernels_enabled`); see ``cpu/csrc/decoder_layer.cpp``."""
-    return _cpu.fused_decoder_layer(*args, **kwargs)
-
-
+# A whole pre-norm SwiGLU layer over quantized weights (compiled CPU kernels only: callers check
+# cpu_kernels_enabled); see cpu/csrc/decoder_layer.cpp.
+fused_decoder_layer = _cpu.fused_decoder_layer
+FusedLayerWeights = _cpu.FusedLayerWeights
+FusedLinear = _cpu.FusedLinear
 pack_quantized_weight = _ref_quant.pack_weight
 token_layout = _cpu.token_layout
 apply_rotary = _pick("apply_rotary")
@@ -153,7 +206,10 @@ topk_softmax = _ref.topk_softmax
 write_kv = _pick("write_kv")
 
 __all__ = [
+    "ActiveKernels",
     "BACKEND",
+    "FusedLayerWeights",
+    "FusedLinear",
     "apply_rotary",
     "causal_conv1d",
     "conv_window",
@@ -164,6 +220,7 @@ __all__ = [
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",
+    "get_active_kernels",
     "merge_attention_parts",
     "moe_expert_slots",
     "moe_experts",

@@ -207,7 +207,7 @@ class DecoderLayer(nn.Module):
         self.add_module(mixer_name, mixer)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, norm_weight)
         self.mlp = mlp
-        self._fused: tuple[list[torch.Tensor], list[int]] | None = None
+        self._fused: kernels.FusedLayerWeights | None = None
 
     def fuse(self) -> bool:
         """Use the fused layer op from now on when this layer's shape allows it (its KV cache
@@ -219,13 +219,18 @@ class DecoderLayer(nn.Module):
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(lin.parallel.tp_size != 1 for lin in linears) or attn.attn.parallel.dcp_size != 1:
             return False
-        weights = [self.input_layernorm.weight]
-        for lin in linears[:2]:
-            weights += [lin.qweight, lin.qscale, lin.qmin]
-        weights.append(self.post_attention_layernorm.weight)
-        for lin in linears[2:]:
-            weights += [lin.qweight, lin.qscale, lin.qmin]
-        self._fused = ([w.data for w in weights], [lin.bits for lin in linears])
+        qkv, o, gate_up, down = (
+            kernels.FusedLinear(lin.qweight.data, lin.qscale.data, lin.qmin.data, lin.bits)
+            for lin in linears
+        )
+        self._fused = kernels.FusedLayerWeights(
+            input_norm=self.input_layernorm.weight.data,
+            qkv_proj=qkv,
+            o_proj=o,
+            post_attention_norm=self.post_attention_layernorm.weight.data,
+            gate_up_proj=gate_up,
+            down_proj=down,
+        )
         return True
 
     def fusable(self) -> bool:
@@ -251,17 +256,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
-            return self._forward_fused(positions, x)
+            return self._forward_fused(positions, x, self._fused)
         mixer = getattr(self, self.mixer_name)
         x = x + mixer(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _forward_fused(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(
+        self, positions: torch.Tensor, x: torch.Tensor, weights: kernels.FusedLayerWeights
+    ) -> torch.Tensor:
         attn = getattr(self, self.mixer_name)
         paged = attn.attn
         ctx = get_forward_context()
         meta = ctx.attn_for(paged.layer_id)
-        weights, bits = self._fused
         token_req, token_len = meta.token_req, meta.token_len
         if token_req is None or token_len is None:
             token_req, token_len = kernels.token_layout(meta.query_start_loc, meta.seq_lens)
@@ -270,7 +276,6 @@ class DecoderLayer(nn.Module):
             positions,
             attn.rotary.cos_sin_cache,
             weights,
-            bits,
             ctx.kv_caches[paged.layer_id],
             meta.slot_mapping,
             meta.block_tables,

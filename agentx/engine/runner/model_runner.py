@@ -331,7 +331,7 @@ def finalize_weights(model: torch.nn.Module, mode: str, device: torch.device | N
     does (or would at one rank: the KV cache dtype follows). The compiled kernels are CPU
     kernels: on another device ``auto`` keeps floats and nothing fuses."""
     on_cpu = device is None or device.type == "cpu"
-    kernels_ready = on_cpu and kernels.prepare()
+    kernels_ready = kernels.prepare(cpu=on_cpu)  # logs the active kernels once
     for module in model.modules():
         if isinstance(module, QuantizableLinear):
             module.finalize_weights(mode, kernels_ready)

@@ -12,12 +12,16 @@ from collections.abc import Iterator
 
 import torch
 
-from agentx.kernels.cpu.build import available
+from agentx.kernels.cpu.build import available, get_build_dir
+from agentx.kernels.cpu.fused_layer import FusedLayerWeights, FusedLinear
 from agentx.kernels.ref.kquant import KQUANT_TYPES
 
 __all__ = [
+    "FusedLayerWeights",
+    "FusedLinear",
     "available",
     "fused_decoder_layer",
+    "get_build_dir",
     "get_isa",
     "has_avx512",
     "paged_attention",
@@ -111,8 +115,7 @@ def fused_decoder_layer(
     x: torch.Tensor,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
-    weights: list[torch.Tensor],
-    bits: list[int],
+    weights: FusedLayerWeights,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
@@ -123,12 +126,14 @@ def fused_decoder_layer(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """One pre-norm SwiGLU decoder layer over quantized weights (``csrc/decoder_layer.cpp``)."""
+    """One pre-norm SwiGLU decoder layer over quantized weights (``csrc/decoder_layer.cpp``);
+    ``weights`` go to the op as its two lists, in the record's field order."""
+    tensors, bits = weights.packed
     return torch.ops.agentx.fused_decoder_layer(
         x.contiguous(),
         positions,
         cos_sin,
-        weights,
+        tensors,
         bits,
         kv_cache,
         slot_mapping,

@@ -1,13 +1,15 @@
 """Build and load the C++ CPU kernels (``csrc/*.cpp``) as the ``torch.ops.agentx`` library.
 
-The sources compile once per installation into ``agentx/kernels/cpu/_build/<hash>/`` (or
-``<AGENTX_CACHE_DIR>/kernels/<hash>/`` when the package folder is read-only; the hash covers the
-sources, the flags and the torch version, so an edit or an upgrade rebuilds) with torch's C++
-extension builder; later processes only load the shared library. ``make`` builds it at
-install (``python -m agentx.kernels.cpu``). The kernels need AVX2 and FMA (their AVX-512 VNNI
-versions are compiled alongside with per-function target attributes and chosen at run time where
-the CPU has them, see ``kernel_isa``): elsewhere, or when the build fails, :func:`load`
-returns False and callers use the reference kernels.
+The sources compile once into ``<AGENTX_CACHE_DIR>/kernels/<hash>/`` (default
+``~/.cache/agentx/kernels/``; never into the package folder; the hash covers the sources, the
+flags and the torch version, so an edit or an upgrade rebuilds) with torch's C++ extension
+builder, which needs a C++ compiler and ``ninja`` (a declared dependency); later processes only
+load the shared library. ``make`` builds it at install (``python -m agentx.kernels.cpu``). The
+kernels need AVX2 and FMA (their AVX-512 VNNI versions are compiled alongside with per-function
+target attributes and chosen at run time where the CPU has them, see ``kernel_isa``):
+elsewhere, or when the build fails, :func:`load` returns False and callers use the reference
+kernels, several times slower, so the fallback is loud: a logged warning and a
+:class:`~agentx.errors.KernelFallbackWarning`, once per process.
 """
 
 from __future__ import annotations
@@ -16,17 +18,18 @@ import contextlib
 import fcntl
 import hashlib
 import logging
-import os
+import shutil
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from agentx import env
-from agentx.errors import ConfigError
+from agentx.errors import ConfigError, KernelFallbackWarning
 
-__all__ = ["available", "load"]
+__all__ = ["available", "get_build_dir", "load"]
 
 _SOURCES = (
     "qlinear.cpp",
@@ -43,7 +46,7 @@ _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fopenmp")
 _CSRC = Path(__file__).with_name("csrc")
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_state: dict[str, bool] = {}
+_state: dict[str, bool] = {}  # "ok": the library loaded; "warned": the fallback was reported
 
 
 def _cpu_supported() -> bool:
@@ -56,11 +59,12 @@ def _build_dir() -> Path:
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(torch.__version__.encode())
-    name = digest.hexdigest()[:16]
-    beside = Path(__file__).with_name("_build")
-    if os.access(beside if beside.exists() else beside.parent, os.W_OK):
-        return beside / name
-    return env.cache_dir() / "kernels" / name
+    return env.cache_dir() / "kernels" / digest.hexdigest()[:16]
+
+
+def get_build_dir() -> Path:
+    """The folder the library is (or would be) built into for these sources and this torch."""
+    return _build_dir()
 
 
 def load(verbose: bool = False) -> bool:
@@ -69,7 +73,11 @@ def load(verbose: bool = False) -> bool:
         return _state["ok"]
     with _lock:
         if "ok" not in _state:
-            _state["ok"] = _cpu_supported() and _build_and_load(verbose) and _cap_isa()
+            if not _cpu_supported():
+                _fall_back("this CPU has no AVX2 and FMA")
+                _state["ok"] = False
+            else:
+                _state["ok"] = _build_and_load(verbose) and _cap_isa()
         return _state["ok"]
 
 
@@ -87,6 +95,10 @@ def _build_and_load(verbose: bool) -> bool:
             return True
         from torch.utils import cpp_extension  # noqa: PLC0415 (slow import, build only)
 
+        missing = _missing_build_tool(cpp_extension)
+        if missing is not None:
+            _fall_back(missing)
+            return False
         build_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(build_dir / "agentx.lock"):
             if not library.exists():  # another process may have built it while we waited
@@ -107,9 +119,33 @@ def _build_and_load(verbose: bool) -> bool:
         if str(library) not in torch.ops.loaded_libraries:
             torch.ops.load_library(str(library))
         return True
-    except Exception as exc:  # a missing compiler, a failed build: fall back, loudly
-        _log.warning("agentx: CPU kernels unavailable (%s); using reference kernels", exc)
+    except Exception as exc:  # a failed build or load: fall back, loudly
+        _fall_back(f"the build failed: {exc}")
         return False
+
+
+def _missing_build_tool(cpp_extension) -> str | None:
+    """What the builder lacks here (a C++ compiler, ninja), or None."""
+    compiler = cpp_extension.get_cxx_compiler()  # $CXX, else c++
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def _fall_back(reason: str) -> None:
+    """Report, once per process, that the wanted compiled kernels fell back to the reference."""
+    if _state.get("warned"):
+        return
+    _state["warned"] = True
+    message = (
+        f"agentx: the compiled CPU kernels are unavailable ({reason}); every op runs on the "
+        "reference kernels, several times slower. Set AGENTX_KERNELS=ref to choose them "
+        "without this warning."
+    )
+    _log.warning(message)
+    warnings.warn(message, KernelFallbackWarning, stacklevel=2)
 
 
 def _cap_isa() -> bool:
@@ -136,4 +172,4 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 def main() -> None:
     ok = load(verbose=True)
-    print(f"agentx CPU kernels: {'ready' if ok else 'unavailable'} in {_build_dir()}")
+    print(f"agentx CPU kernels: {'ready' if ok else 'unavailable'} in {get_build_dir()}")

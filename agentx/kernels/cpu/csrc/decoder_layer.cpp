@@ -19,9 +19,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
+#include "qlinear_common.h"
+#include "scratch.h"
 
 namespace agentx {
 namespace {
@@ -148,23 +151,134 @@ at::Tensor layer_stage_times(bool on) {
   return out;
 }
 
-struct Linear {
-  const at::Tensor& w;
-  const at::Tensor& scale;
-  const at::Tensor& mins;
+// The layer's weights, named. The op takes them as `Tensor[] weights, int[] bits` in the order
+// layer_fields() walks them, which is the order of FusedLayerWeights' fields on the Python side
+// (kernels/cpu/fused_layer.py; a test compares the two through fused_layer_fields()):
+//
+//   weights  input_norm | qkv_proj (qweight, scale, mins) | o_proj (3) | post_attention_norm
+//            | gate_up_proj (3) | down_proj (3)
+//   bits     qkv_proj | o_proj | gate_up_proj | down_proj   (4, 8, or a K-quant type id)
+struct QuantLinear {
+  const at::Tensor& qweight;
+  const at::Tensor& scale;  // K-quant: unused
+  const at::Tensor& mins;   // K-quant and int8: unused
   int64_t bits;
-  int64_t out() const { return is_kquant(bits) ? w.size(0) : w.size(0) * 8; }  // K-quant: rows
+  int64_t out_features() const {
+    return is_kquant(bits) ? qweight.size(0) : qweight.size(0) * qlinear::kTile;
+  }
 };
 
-// weights: [norm1, qkv (w, scale, mins), o (3), norm2, gate_up (3), down (3)];
-// bits: [qkv, o, gate_up, down]
+struct LayerWeights {
+  const at::Tensor& input_norm;
+  QuantLinear qkv_proj;
+  QuantLinear o_proj;
+  const at::Tensor& post_attention_norm;
+  QuantLinear gate_up_proj;
+  QuantLinear down_proj;
+};
+
+// The one list of the layer's fields, in packing order: every reader of the layout (the
+// unpacking, the counts, the names) walks this, so none can disagree with it. Braced
+// initializers run left to right, so `fields` sees them in order.
+template <typename Fields>
+LayerWeights layer_fields(Fields& fields) {
+  return LayerWeights{fields.norm("input_norm"),    fields.linear("qkv_proj"),
+                      fields.linear("o_proj"),      fields.norm("post_attention_norm"),
+                      fields.linear("gate_up_proj"), fields.linear("down_proj")};
+}
+
+const at::Tensor& no_tensor() {
+  static const at::Tensor none;
+  return none;
+}
+
+// Counts the fields and names them ("qkv_proj.qweight", ..., "qkv_proj.bits").
+struct FieldNames {
+  std::vector<std::string> names;
+  int64_t tensors = 0, linears = 0;
+  const at::Tensor& norm(const char* name) {
+    names.emplace_back(name);
+    ++tensors;
+    return no_tensor();
+  }
+  QuantLinear linear(const char* name) {
+    for (const char* part : {".qweight", ".scale", ".mins", ".bits"}) {
+      names.push_back(std::string(name) + part);
+    }
+    tensors += 3;
+    ++linears;
+    return QuantLinear{no_tensor(), no_tensor(), no_tensor(), 0};
+  }
+};
+
+const FieldNames& field_names() {
+  static const FieldNames names = [] {
+    FieldNames n;
+    layer_fields(n);
+    return n;
+  }();
+  return names;
+}
+
+// Takes the fields from the op's lists in order, checking each against what the kernels read.
+struct Unpack {
+  at::TensorList weights;
+  at::IntArrayRef bits;
+  int64_t hidden;
+  size_t t = 0, b = 0;
+
+  const at::Tensor& norm(const char* name) {
+    const at::Tensor& w = weights[t++];
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == hidden &&
+                    w.is_contiguous(),
+                "fused_decoder_layer: ", name, " must be a contiguous float32 (", hidden,
+                ",) tensor, got ", w.scalar_type(), " ", w.sizes());
+    return w;
+  }
+
+  QuantLinear linear(const char* name) {
+    const QuantLinear lin{weights[t], weights[t + 1], weights[t + 2], bits[b]};
+    t += 3;
+    ++b;
+    const int64_t kind = lin.bits;
+    TORCH_CHECK(kind == 4 || kind == 8 || is_kquant(kind), "fused_decoder_layer: ", name,
+                ".bits must be 4, 8, ", kQ4K, " (Q4_K) or ", kQ6K, " (Q6_K), got ", kind);
+    const auto want = kind == 8 ? at::kChar : at::kByte;
+    const int64_t dims = is_kquant(kind) ? 2 : 3;
+    TORCH_CHECK(lin.qweight.scalar_type() == want && lin.qweight.dim() == dims,
+                "fused_decoder_layer: ", name, ".qweight must be ", dims, "-D ",
+                kind == 8 ? "int8" : "uint8", " for bits ", kind, ", got ",
+                lin.qweight.scalar_type(), " ", lin.qweight.sizes());
+    if (!is_kquant(kind)) {
+      TORCH_CHECK(lin.scale.scalar_type() == at::kFloat, "fused_decoder_layer: ", name,
+                  ".scale must be float32, got ", lin.scale.scalar_type());
+      TORCH_CHECK(kind == 8 || lin.mins.scalar_type() == at::kFloat, "fused_decoder_layer: ",
+                  name, ".mins must be float32, got ", lin.mins.scalar_type());
+    }
+    return lin;
+  }
+};
+
+LayerWeights unpack_layer_weights(at::TensorList weights, at::IntArrayRef bits, int64_t hidden) {
+  const FieldNames& fields = field_names();
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == fields.tensors &&
+                  static_cast<int64_t>(bits.size()) == fields.linears,
+              "fused_decoder_layer: ", fields.tensors, " weights and ", fields.linears,
+              " bits expected (see FusedLayerWeights), got ", weights.size(), " and ",
+              bits.size());
+  Unpack unpack{weights, bits, hidden};
+  return layer_fields(unpack);
+}
+
+// The field names in packing order (tests compare them with FusedLayerWeights').
+std::vector<std::string> fused_layer_fields() { return field_names().names; }
+
 at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
                                const at::Tensor& cos_sin, at::TensorList weights,
                                at::IntArrayRef bits, const at::Tensor& kv_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& token_req, const at::Tensor& token_len,
                                int64_t num_heads, double eps, double scale, int64_t window) {
-  TORCH_CHECK(weights.size() == 14 && bits.size() == 4, "fused_decoder_layer: 14 weights, 4 bits");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be contiguous (T, hidden) float32");
   for (const auto* t : {&positions, &slot_mapping, &block_tables, &token_req, &token_len}) {
@@ -172,16 +286,16 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   }
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "cos_sin: fp32");
   const int64_t rows = x.size(0), hidden = x.size(1);
+  const LayerWeights w = unpack_layer_weights(weights, bits, hidden);
+  const QuantLinear &qkv = w.qkv_proj, &o_proj = w.o_proj;
+  const QuantLinear &gate_up = w.gate_up_proj, &down = w.down_proj;
   const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
   TORCH_CHECK(cos_sin.size(1) == head_dim, "RoPE table must cover the whole head");
-  const Linear qkv{weights[1], weights[2], weights[3], bits[0]};
-  const Linear o_proj{weights[4], weights[5], weights[6], bits[1]};
-  const Linear gate_up{weights[8], weights[9], weights[10], bits[2]};
-  const Linear down{weights[11], weights[12], weights[13], bits[3]};
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
-  const int64_t qkv_width = qkv.out(), inter = gate_up.out() / 2;
+  const int64_t qkv_width = qkv.out_features(), inter = gate_up.out_features() / 2;
   TORCH_CHECK(qkv_width == q_width + 2 * kv_width, "qkv_proj width mismatch");
-  TORCH_CHECK(o_proj.out() == hidden && down.out() == hidden, "output width mismatch");
+  TORCH_CHECK(o_proj.out_features() == hidden && down.out_features() == hidden,
+              "output width mismatch");
   TORCH_CHECK(positions.numel() == rows && slot_mapping.numel() == rows,
               "positions and slot_mapping need one entry per row");
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -192,53 +306,57 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   at::Tensor out = x.clone();
   if (rows == 0) return out;
   float* xo = out.data_ptr<float>();
-  std::vector<float> h(rows * hidden), buf(rows * std::max(qkv_width, 2 * inter));
-  std::vector<float> q(rows * q_width), attn(rows * q_width), y(rows * hidden);
-  std::vector<float> act(rows * inter);
+  ScratchFrame scratch;
+  float* h = scratch.take<float>(rows * hidden);
+  float* buf = scratch.take<float>(rows * std::max(qkv_width, 2 * inter));
+  float* q = scratch.take<float>(rows * q_width);
+  float* attn = scratch.take<float>(rows * q_width);
+  float* y = scratch.take<float>(rows * hidden);
+  float* act = scratch.take<float>(rows * inter);
   const float feps = static_cast<float>(eps);
   StageClock clock;
   // attention half
-  rms_norm_rows(xo, weights[0].data_ptr<float>(), rows, hidden, feps, h.data());
+  rms_norm_rows(xo, w.input_norm.data_ptr<float>(), rows, hidden, feps, h);
   clock.lap(kNorms);
-  quantized_linear_into(h.data(), rows, hidden, qkv.w, qkv.scale, qkv.mins, qkv.bits,
-                        buf.data(), qkv_width);
+  quantized_linear_into(h, rows, hidden, qkv.qweight, qkv.scale, qkv.mins, qkv.bits,
+                        buf, qkv_width);
   clock.lap(kGemms);
-  rope_rows(buf.data(), qkv_width, rows, num_heads + num_kv_heads, head_dim,
+  rope_rows(buf, qkv_width, rows, num_heads + num_kv_heads, head_dim,
             cos_sin.data_ptr<float>(), pos);
   if (kv_cache.scalar_type() == at::kBFloat16) {
-    write_kv_rows(buf.data(), qkv_width, rows, q_width, kv_width,
+    write_kv_rows(buf, qkv_width, rows, q_width, kv_width,
                   kv_cache.data_ptr<at::BFloat16>(), kv_cache.stride(0), kv_cache.size(2),
                   slot_mapping.data_ptr<int64_t>());
   } else {
-    write_kv_rows(buf.data(), qkv_width, rows, q_width, kv_width, kv_cache.data_ptr<float>(),
+    write_kv_rows(buf, qkv_width, rows, q_width, kv_width, kv_cache.data_ptr<float>(),
                   kv_cache.stride(0), kv_cache.size(2), slot_mapping.data_ptr<int64_t>());
   }
   for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(q.data() + r * q_width, buf.data() + r * qkv_width, sizeof(float) * q_width);
+    std::memcpy(q + r * q_width, buf + r * qkv_width, sizeof(float) * q_width);
   }
   clock.lap(kRopeWriteKv);
-  paged_attention_rows_into(q.data(), kv_cache, block_tables.data_ptr<int64_t>(),
+  paged_attention_rows_into(q, kv_cache, block_tables.data_ptr<int64_t>(),
                             block_tables.size(1), token_req.data_ptr<int64_t>(),
                             token_len.data_ptr<int64_t>(), rows, num_heads,
-                            static_cast<float>(scale), window, attn.data());
+                            static_cast<float>(scale), window, attn);
   clock.lap(kAttention);
-  quantized_linear_into(attn.data(), rows, q_width, o_proj.w, o_proj.scale, o_proj.mins,
-                        o_proj.bits, y.data(), hidden);
+  quantized_linear_into(attn, rows, q_width, o_proj.qweight, o_proj.scale, o_proj.mins,
+                        o_proj.bits, y, hidden);
   clock.lap(kGemms);
-  add_rows(xo, y.data(), rows * hidden);
+  add_rows(xo, y, rows * hidden);
   clock.lap(kElementwise);
   // MLP half
-  rms_norm_rows(xo, weights[7].data_ptr<float>(), rows, hidden, feps, h.data());
+  rms_norm_rows(xo, w.post_attention_norm.data_ptr<float>(), rows, hidden, feps, h);
   clock.lap(kNorms);
-  quantized_linear_into(h.data(), rows, hidden, gate_up.w, gate_up.scale, gate_up.mins,
-                        gate_up.bits, buf.data(), 2 * inter);
+  quantized_linear_into(h, rows, hidden, gate_up.qweight, gate_up.scale, gate_up.mins,
+                        gate_up.bits, buf, 2 * inter);
   clock.lap(kGemms);
-  silu_and_mul_rows(buf.data(), rows, inter, act.data());
+  silu_and_mul_rows(buf, rows, inter, act);
   clock.lap(kElementwise);
-  quantized_linear_into(act.data(), rows, inter, down.w, down.scale, down.mins, down.bits,
-                        y.data(), hidden);
+  quantized_linear_into(act, rows, inter, down.qweight, down.scale, down.mins, down.bits,
+                        y, hidden);
   clock.lap(kGemms);
-  add_rows(xo, y.data(), rows * hidden);
+  add_rows(xo, y, rows * hidden);
   clock.lap(kElementwise);
   return out;
 }
@@ -252,6 +370,7 @@ TORCH_LIBRARY_FRAGMENT(agentx, lib) {
       "Tensor token_len, int num_heads, float eps, float scale, int window) -> Tensor");
   lib.impl("fused_decoder_layer", c10::DispatchKey::CPU, &fused_decoder_layer);
   lib.def("layer_stage_times(bool on) -> Tensor", &layer_stage_times);
+  lib.def("fused_layer_fields() -> str[]", &fused_layer_fields);
 }
 
 }  // namespace agentx

@@ -27,12 +27,16 @@
 #include <vector>
 
 #include "kernels.h"
+#include "qlinear_common.h"
+#include "scratch.h"
 
 namespace agentx {
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kTile = 8;
+using qlinear::bcast4;
+using qlinear::kGroup;
+using qlinear::kRows;
+using qlinear::kTile;
 
 // Per row and group of 32: dx = amax / 127, xq = rint(x * 127 / amax), sx = dx * sum(xq).
 // Vectorized, with the scalar definition's exact results: the max and the integer sum are
@@ -77,12 +81,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* d
       }
     }
   });
-}
-
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
 }
 
 // R rows x one tile of 8 columns, int4 weights.
@@ -162,8 +160,6 @@ void run_tile(bool int4, const uint8_t* w, const float* scale, const float* mins
   }
 }
 
-constexpr int kRows = 4;
-
 void check_weight(const at::Tensor& qweight, const at::Tensor& scale, const at::Tensor& mins,
                   int64_t k, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8");
@@ -191,26 +187,28 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   check_weight(qweight, scale, mins, k, bits);
   if (m == 0) return;
   const int64_t tiles = qweight.size(0), groups = k / kGroup;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> dx(m * groups), sx(m * groups);
-  quantize_rows(x, m, k, xq.data(), dx.data(), sx.data());
+  ScratchFrame scratch;
+  int8_t* xq = scratch.take<int8_t>(m * k);
+  float* dx = scratch.take<float>(m * groups);
+  float* sx = scratch.take<float>(m * groups);
+  quantize_rows(x, m, k, xq, dx, sx);
   const bool int4 = bits == 4;
-  const int64_t tile_bytes = int4 ? k * kTile / 2 : k * kTile;
+  const int64_t tile_bytes = qlinear::tile_bytes(int4, k);
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const float* sp = scale.data_ptr<float>();
   const float* mp = int4 ? mins.data_ptr<float>() : nullptr;
-  const int8_t* xqp = xq.data();
-  const float* dxp = dx.data();
-  const float* sxp = sx.data();
+  const int8_t* xqp = xq;
+  const float* dxp = dx;
+  const float* sxp = sx;
   // AVX-512: pairs of tiles (an odd last tile below, with AVX2's tile: the same arithmetic)
   const bool wide = kernel_isa(-1) == kIsaAvx512;
-  std::vector<int8_t> xu;
+  int8_t* xu = nullptr;
   if (wide && !int4) {
-    xu.resize(m * k);
+    xu = scratch.take<int8_t>(m * k);
     for (int64_t i = 0; i < m * k; ++i) xu[i] = static_cast<int8_t>(xq[i] ^ 0x80);
   }
   const int64_t pairs = wide ? tiles / 2 : 0;
-  const int8_t* xwide = int4 ? xqp : xu.data();
+  const int8_t* xwide = int4 ? xqp : xu;
   at::parallel_for(0, pairs + (tiles - 2 * pairs), 1, [&](int64_t u0, int64_t u1) {
     // work units: pairs [0, pairs), then single tiles 2 * pairs + (u - pairs)
     const int64_t p1 = std::min(u1, pairs);
@@ -272,6 +270,11 @@ TORCH_LIBRARY_FRAGMENT(agentx, lib) {
   lib.impl("quantized_linear", c10::DispatchKey::CPU, &quantized_linear);
   // -1: which instruction set the kernels use; 0 / 1: use AVX2 / AVX-512 VNNI (if present)
   lib.def("kernel_isa(int set) -> int", &kernel_isa);
+  // this thread's scratch arena (scratch.h): [bytes held, blocks allocated so far]
+  lib.def("scratch_stats() -> int[]", [] {
+    const ScratchArena& arena = thread_scratch();
+    return std::vector<int64_t>{arena.bytes(), arena.allocations()};
+  });
 }
 
 }  // namespace agentx

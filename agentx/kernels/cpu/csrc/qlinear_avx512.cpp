@@ -15,23 +15,17 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "kernels.h"
-
-#define AGENTX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")))
+#include "qlinear_common.h"
 
 namespace agentx {
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kTile = 8;
-
-AGENTX_AVX512 inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+using qlinear::kGroup;
+using qlinear::kRows;
+using qlinear::kTile;
+using qlinear::bcast4_avx512;
 
 // 32 bytes of tile t and 32 of tile t + 1, `tile_stride` bytes apart
 AGENTX_AVX512 inline __m512i load_pair(const uint8_t* p, int64_t tile_stride) {
@@ -70,7 +64,7 @@ AGENTX_AVX512 void pairs_int4(const uint8_t* w, int64_t tile_bytes, const float*
       }
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = xq + r * k + g * kGroup + o * 8;
-        const __m512i x0 = bcast4(xr), x1 = bcast4(xr + 4);
+        const __m512i x0 = bcast4_avx512(xr), x1 = bcast4_avx512(xr + 4);
         for (int c = 0; c < C; ++c) {
           isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], lo[c], x0);
           isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], hi[c], x1);
@@ -117,7 +111,7 @@ AGENTX_AVX512 void pairs_int8(const uint8_t* w, int64_t tile_bytes, const float*
         wsum[c] = _mm512_dpbusd_epi32(wsum[c], offset, wq[c]);  // 128 * sum(w)
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xb = bcast4(xu + r * k + g * kGroup + u * 4);
+        const __m512i xb = bcast4_avx512(xu + r * k + g * kGroup + u * 4);
         for (int c = 0; c < C; ++c) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], xb, wq[c]);
       }
     }
@@ -183,7 +177,7 @@ AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, 
                                           const int8_t* xq, const float* dx, const float* sx,
                                           int64_t k, float* const* out) {
   const int64_t groups = k / kGroup, tile_floats = groups * kTile;
-  float* o[4];
+  float* o[kRows];
   int64_t t = t0;
   for (; t + 4 <= t1; t += 4) {
     for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;

@@ -12,9 +12,11 @@
 // on batching, threads or the ISA (qlinear_kquant_avx512.cpp: the same sums and steps).
 //
 // Work split: threads take ranges of output columns; inside, 16 columns at a time are swept by
-// every group of up to 4 rows (the 16 weight rows stay in L1/L2 across the row groups). With 2
-// or more rows AVX2 takes 8 columns together (one horizontal sum for 8, the float steps 8 lanes
-// wide; ~1.5x at 64 rows), otherwise one column at a time: the same integers and roundings.
+// every group of up to 4 rows (the 16 weight rows stay in L1/L2 across the row groups). AVX2
+// takes 8 columns together, decode's single row included (one horizontal sum for 8 columns, the
+// float steps 8 lanes wide, the next 8 columns' blocks prefetched: ~1.6x at one row, one thread,
+// over one column at a time); a remainder of fewer than 8 columns goes one column at a time: the
+// same integers and roundings either way.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -88,12 +90,15 @@ inline void q4k_scale_bytes(const uint8_t* s, uint64_t* sc, uint64_t* m) {
   *m = (u[1] & six) | (static_cast<uint64_t>(m_hi) << 32);
 }
 
-// The per-block integer sums of R rows against one Q4_K block, before the horizontal sum.
+// The byte-shuffle control that copies 16-bit element j of each 128-bit lane across the lane.
+inline __m256i pick16(int j) {
+  return _mm256_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
+}
+
+// sum_j sc_j (q_j . x_j) of R rows against one Q4_K block's quants, before the horizontal sum;
+// sc16: the 8 scales as int16 in both 128-bit lanes.
 template <int R>
-inline void block_q4k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* sums,
-                      __m256i* s1, __m256i* s2) {
-  uint64_t scb, mb;
-  q4k_scale_bytes(blk + 4, &scb, &mb);
+inline void block_q4k_s1(const uint8_t* blk, __m256i sc16, const int8_t* const* x, __m256i* s1) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) s1[r] = _mm256_setzero_si256();
   const uint8_t* qs = blk + 16;
@@ -101,8 +106,8 @@ inline void block_q4k(const uint8_t* blk, const int8_t* const* x, const int16_t*
     const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
     const __m256i lo = _mm256_and_si256(packed, low);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-    const __m256i sl = _mm256_set1_epi16(static_cast<int16_t>((scb >> (16 * c)) & 0xFF));
-    const __m256i sh = _mm256_set1_epi16(static_cast<int16_t>((scb >> (16 * c + 8)) & 0xFF));
+    const __m256i sl = _mm256_shuffle_epi8(sc16, pick16(2 * c));
+    const __m256i sh = _mm256_shuffle_epi8(sc16, pick16(2 * c + 1));
     for (int r = 0; r < R; ++r) {
       const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * c));
       const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 64 * c + 32));
@@ -111,6 +116,21 @@ inline void block_q4k(const uint8_t* blk, const int8_t* const* x, const int16_t*
       s1[r] = _mm256_add_epi32(s1[r], _mm256_add_epi32(pl, ph));
     }
   }
+}
+
+// 8 unsigned bytes -> 8 int16, in both 128-bit lanes.
+inline __m256i widen8(uint64_t bytes) {
+  const __m128i b = _mm_cvtsi64_si128(static_cast<int64_t>(bytes));
+  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(b));
+}
+
+// The per-block integer sums of R rows against one Q4_K block, before the horizontal sum.
+template <int R>
+inline void block_q4k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* sums,
+                      __m256i* s1, __m256i* s2) {
+  uint64_t scb, mb;
+  q4k_scale_bytes(blk + 4, &scb, &mb);
+  block_q4k_s1<R>(blk, widen8(scb), x, s1);
   // each min twice: once for each 16-feature sum of its 32-feature sub-block
   const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mb));
   const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
@@ -128,8 +148,12 @@ inline void block_q6k(const uint8_t* blk, const int8_t* const* x, const int16_t*
   const __m256i two = _mm256_set1_epi8(0x03), mid = _mm256_set1_epi8(0x0C);
   const __m256i top = _mm256_set1_epi8(0x30);
   const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-  const __m256i sc16 =
-      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+  const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+  // scales 0..7 and 8..15 as int16 in both lanes: chunk c's two scales by one shuffle
+  const __m128i sc_hi = _mm_srli_si128(sc8, 8);
+  const __m256i half[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc8)),
+                           _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc_hi))};
   for (int r = 0; r < R; ++r) {
     const __m256i sv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums[r]));
     s[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
@@ -151,14 +175,37 @@ inline void block_q6k(const uint8_t* blk, const int8_t* const* x, const int16_t*
                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), top));
     for (int t = 0; t < 4; ++t) {
       const int c = 4 * h + t;
-      const __m256i scv =
-          _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
+      // sc[2c] (element 2t of half h) across the low lane, sc[2c + 1] across the high one
+      const __m256i pick = _mm256_set_m128i(_mm256_castsi256_si128(pick16(2 * t + 1)),
+                                            _mm256_castsi256_si128(pick16(2 * t)));
+      const __m256i scv = _mm256_shuffle_epi8(half[h], pick);
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r] + 32 * c));
         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], xv), scv));
       }
     }
   }
+}
+
+// Software prefetch of a block's cache lines (the 8 columns of a group are 8 streams, more
+// than the hardware prefetcher follows well); never faults, even past the weight's end.
+inline void prefetch_block(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes + 63; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+  }
+}
+
+// S2 of 8 columns (lane c: column c) of one row: the 8 min bytes of column c (mb[c]) against
+// that row's 8 sums of 32 (x32, in both lanes), columns c and c + 4 in one madd.
+inline __m256i min_sums8(const uint64_t* mb, __m256i x32) {
+  __m256i v[4];
+  for (int c = 0; c < 4; ++c) {
+    const __m128i pair =
+        _mm_set_epi64x(static_cast<int64_t>(mb[c + 4]), static_cast<int64_t>(mb[c]));
+    v[c] = _mm256_madd_epi16(_mm256_cvtepu8_epi16(pair), x32);
+  }
+  // lane c of each half: [c c c c | c+4 ...] -> hadd twice -> [0 1 2 3 | 4 5 6 7]
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
 }
 
 // 8 columns [n, n + 8) of R rows: the integer sums of the 8 columns are summed across lanes
@@ -168,31 +215,37 @@ void group_q4k(const uint8_t* w, int64_t row_bytes, int64_t n, const Rows& a, in
                float* y, int64_t ldy) {
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.blocks; ++b) {
+  const uint8_t* col = w + n * row_bytes;
+  for (int64_t b = 0; b < a.blocks; ++b, col += kquant::kQ4KBytes) {
     const int8_t* x[R];
-    const int16_t* sums[R];
+    __m256i x32[R];
     for (int r = 0; r < R; ++r) {
       x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
-      sums[r] = a.sums + ((r0 + r) * a.blocks + b) * 16;
+      const int16_t* sums = a.sums + ((r0 + r) * a.blocks + b) * 16;
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + 8));
+      const __m128i s16 = _mm_hadd_epi16(lo, hi);  // the 8 sums of 32
+      x32[r] = _mm256_broadcastsi128_si256(s16);  // |sum of 32| <= 32 * 127: exact in int16
     }
-    __m256i s1[R][8], s2[R][8];
+    __m256i s1[R][8];
+    uint64_t mb[8];
     alignas(16) uint16_t dh[8], mh[8];
     for (int c = 0; c < 8; ++c) {
-      const uint8_t* blk = w + (n + c) * row_bytes + b * kquant::kQ4KBytes;
+      const uint8_t* blk = col + c * row_bytes;
+      prefetch_block(blk + 8 * row_bytes, kquant::kQ4KBytes);  // the next group's block
       std::memcpy(&dh[c], blk, 2);
       std::memcpy(&mh[c], blk + 2, 2);
-      __m256i v1[R], v2[R];
-      block_q4k<R>(blk, x, sums, v1, v2);
-      for (int r = 0; r < R; ++r) {
-        s1[r][c] = v1[r];
-        s2[r][c] = v2[r];
-      }
+      uint64_t scb;
+      q4k_scale_bytes(blk + 4, &scb, &mb[c]);
+      __m256i v1[R];
+      block_q4k_s1<R>(blk, widen8(scb), x, v1);
+      for (int r = 0; r < R; ++r) s1[r][c] = v1[r];
     }
     const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
     for (int r = 0; r < R; ++r) {
       const __m256 av = _mm256_mul_ps(d, _mm256_cvtepi32_ps(reduce8(s1[r])));
-      const __m256 bv = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(reduce8(s2[r])));
+      const __m256 bv = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(min_sums8(mb, x32[r])));
       const __m256 p = _mm256_mul_ps(_mm256_set1_ps(a.dx[(r0 + r) * a.blocks + b]),
                                      _mm256_sub_ps(av, bv));
       acc[r] = _mm256_add_ps(acc[r], p);
@@ -217,6 +270,7 @@ void group_q6k(const uint8_t* w, int64_t row_bytes, int64_t n, const Rows& a, in
     alignas(16) uint16_t dh[8];
     for (int c = 0; c < 8; ++c) {
       const uint8_t* blk = w + (n + c) * row_bytes + b * kquant::kQ6KBytes;
+      prefetch_block(blk + 8 * row_bytes, kquant::kQ6KBytes);
       std::memcpy(&dh[c], blk + 208, 2);
       __m256i v[R];
       block_q6k<R>(blk, x, sums, v);
@@ -287,8 +341,7 @@ template <int R>
 void columns_avx2(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
                   const Rows& a, int64_t r0, float* y, int64_t ldy) {
   int64_t n = n0;
-  // one row (decode) streams each weight row alone: measured faster than 8 rows interleaved
-  for (; R > 1 && n + 8 <= n1; n += 8) {
+  for (; n + 8 <= n1; n += 8) {
     if (type == kQ4K) {
       group_q4k<R>(w, row_bytes, n, a, r0, y, ldy);
     } else {
@@ -317,6 +370,21 @@ void columns(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n0, int6
   }
 }
 
+// Buffers for quantize_rows' output, grown to fit and never shrunk.
+struct Activations {
+  std::vector<int8_t> xq;
+  std::vector<float> dx;
+  std::vector<int16_t> sums;
+
+  void fit(int64_t m, int64_t k) {
+    const size_t rows = static_cast<size_t>(m), cols = static_cast<size_t>(k);
+    const size_t blocks = cols / kBlock;
+    if (xq.size() < rows * cols) xq.resize(rows * cols);
+    if (dx.size() < rows * blocks) dx.resize(rows * blocks);
+    if (sums.size() < rows * blocks * 16) sums.resize(rows * blocks * 16);
+  }
+};
+
 int64_t type_bytes(int64_t type) {
   TORCH_CHECK(type == kQ4K || type == kQ6K, "kquant_linear: type must be Q4_K (12) or Q6_K (14)");
   return type == kQ4K ? kquant::kQ4KBytes : kquant::kQ6KBytes;
@@ -333,11 +401,13 @@ void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& 
               "kquant_linear: qweight must be contiguous (N, K/256 * block bytes) uint8");
   if (m == 0) return;
   const int64_t n = qweight.size(0);
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> dx(m * blocks);
-  std::vector<int16_t> sums(m * blocks * 16);
-  quantize_rows(x, m, k, xq.data(), dx.data(), sums.data());
-  const Rows a{xq.data(), dx.data(), sums.data(), k, blocks};
+  // the quantized activations: a few rows (decode, drafts) reuse the calling thread's buffers
+  thread_local Activations few;
+  Activations many;
+  Activations& act = m <= kRows ? few : many;
+  act.fit(m, k);
+  quantize_rows(x, m, k, act.xq.data(), act.dx.data(), act.sums.data());
+  const Rows a{act.xq.data(), act.dx.data(), act.sums.data(), k, blocks};
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   constexpr int64_t kCols = 16;
   at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {

@@ -1,6 +1,6 @@
 """The K-quant GEMM path (many rows, qlinear_kquant_gemm.cpp) gives the row-group path's bits.
 
-From kKquantGemmRows (16) rows on, AVX2 runs every weight super-block once against all rows;
+From kKquantGemmRows (32) rows on, AVX2 runs every weight super-block once against all rows;
 fewer rows take the row groups of <= 4. Since the row-group path's rows are independent, each
 GEMM row must equal the same rows run in groups of 4 and the reference, bit for bit, on awkward
 widths (a partial 8-column group, a partial 32-column tile), with 1 and 2 threads, and on the
@@ -18,7 +18,7 @@ needs_kernels = pytest.mark.skipif(
     not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"
 )
 KINDS = [kquant.Q4_K, kquant.Q6_K]
-ROWS = (1, 5, 16, 17, 64, 130)
+ROWS = (1, 5, 16, 17, 33, 35, 64, 130, 300)  # 300: two passes of 256 rows over a tile
 
 
 def _in_groups_of_4(x: torch.Tensor, w: torch.Tensor, kind: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ Q4_K_M files mix them). Prints the best of --rounds timed calls; 2 M N K flops a
 
     python benchmarks/kquant_gemm_bench.py                       # M = 64, 256, 512, 2 threads
     python benchmarks/kquant_gemm_bench.py --rows 16,512 --threads 1
+    python benchmarks/kquant_gemm_bench.py --threads 1 --cpu-time   # on a shared, loaded box
 
 Before/after comparisons run this file against another checkout's ``agentx``
 (``PYTHONPATH=/path/to/other/checkout python benchmarks/kquant_gemm_bench.py``).
@@ -55,14 +56,14 @@ def random_weight(n: int, k: int, kind: int) -> torch.Tensor:
     return raw.reshape(n, -1)
 
 
-def time_call(x: torch.Tensor, w: torch.Tensor, kind: int, rounds: int) -> float:
+def time_call(x: torch.Tensor, w: torch.Tensor, kind: int, rounds: int, clock) -> float:
     op = torch.ops.agentx.kquant_linear
     op(x, w, kind, None)
     best = float("inf")
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = clock()
         op(x, w, kind, None)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -86,7 +87,15 @@ def main() -> None:
     parser.add_argument("--rows", default="64,256,512", help="comma-separated M values")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the calling thread's CPU seconds (with --threads 1: steadier on a loaded box)",
+    )
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time measures the calling thread only: use it with --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     if not cpu.available():
         raise SystemExit("the compiled CPU kernels are unavailable here")
     torch.set_num_threads(args.threads)
@@ -103,7 +112,7 @@ def main() -> None:
         type_name = "Q4_K" if kind == kquant.Q4_K else "Q6_K"
         for m in rows:
             x = torch.randn(m, k, generator=gen)
-            best = time_call(x, w, kind, args.rounds)
+            best = time_call(x, w, kind, args.rounds, clock)
             gflops = 2 * m * n * k / best / 1e9
             print(f"| {name} | {type_name} | {n} x {k} | {m} | {best * 1e3:.1f} | {gflops:.1f} |")
 

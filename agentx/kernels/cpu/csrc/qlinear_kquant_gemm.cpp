@@ -3,22 +3,27 @@
 // qlinear_kquant.cpp sweeps the packed weights once per group of <= 4 rows, unpacking every
 // super-block again for each group. Here each thread takes tiles of kTileCols output columns;
 // for each super-block b it unpacks the tile's weights once into an L1-resident Tile (one uint8
-// a weight, the sub-block scales pre-broadcast to 16-bit lanes) and then runs every row against
-// it, 4 rows x 2 columns of accumulators at a time:
+// a weight, 8 columns interleaved in the int32 lanes of a vector) and runs up to 256 rows
+// against it, 4 rows x 16 columns of accumulators at a time:
 //
 //   for tile of 32 columns:            (threads split the tiles)
-//     y[:, tile] = 0
-//     for b in super-blocks:           (in order: the float steps fold block after block)
-//       unpack tile's block b          -> Tile
-//       for rows r0, r0 + 4, ...:      exact int32 sums of 4 rows x 8 columns, then
-//         y[r, c] = y[r, c] + step(...)   (kquant.h's roundings, 8 columns a vector)
+//     for rows m0 .. m0 + 256:
+//       y[rows, tile] = 0
+//       for b in super-blocks:         (in order: the float steps fold block after block)
+//         unpack tile's block b        -> Tile
+//         for rows r0, r0 + 4, ...:    exact int32 sums of 4 rows x 16 columns, then
+//           y[r, c] = y[r, c] + step(...)   (kquant.h's roundings, 8 columns a vector)
+//
+// A step is one maddubs of 8 columns x 4 weights against a row's 4 activations broadcast;
+// steps are summed in 16 bits within a sub-block (exact, see dots) and one madd applies the
+// columns' scales, so Q4_K needs 9 multiplies per 256 products where the row-group path needs
+// 16, and every column's sum ends in its own lane (no horizontal sums).
 //
 // The integer sums per (row, column, super-block) are the ones qlinear_kquant.cpp forms (exact
-// int32, any order: maddubs pairs stay below int16's limit, 2 * 63 * 127 for Q6_K), and the
-// float steps are the same separate roundings in the same block order from the same 0.f, so
-// every output has the bits of the row-group path: a row's result depends on that row alone.
-// The min (Q4_K) and -32 offset (Q6_K) sums run with columns in lanes: madd of a column's
-// 16-bit pair of mins (scales) by a row's pair of sub-block sums, no horizontal sum needed.
+// int32, any order), and the float steps are the same separate roundings in the same block
+// order from the same 0.f, so every output has the bits of the row-group path: a row's result
+// depends on that row alone. The min (Q4_K) and -32 offset (Q6_K) sums also run with columns in
+// lanes: madd of a column's 16-bit pair of mins (scales) by a row's pair of sub-block sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -36,6 +36,7 @@ _SOURCES = (
     "qlinear_avx512.cpp",
     "qlinear_kquant.cpp",
     "qlinear_kquant_avx512.cpp",
+    "qlinear_kquant_gemm.cpp",
     "paged_attention.cpp",
     "decoder_layer.cpp",
 )

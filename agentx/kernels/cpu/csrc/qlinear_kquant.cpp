@@ -409,6 +409,12 @@ void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& 
   quantize_rows(x, m, k, act.xq.data(), act.dx.data(), act.sums.data());
   const Rows a{act.xq.data(), act.dx.data(), act.sums.data(), k, blocks};
   const uint8_t* w = qweight.data_ptr<uint8_t>();
+  // Many rows: each super-block unpacked once for all of them (qlinear_kquant_gemm.cpp, the
+  // same bits). AVX-512 keeps its row groups: the GEMM has no AVX-512 twin this box could test.
+  if (m >= kKquantGemmRows && kernel_isa(-1) != kIsaAvx512) {
+    kquant_gemm_avx2(type, w, row_bytes, n, a.xq, a.dx, a.sums, k, m, y, ldy);
+    return;
+  }
   constexpr int64_t kCols = 16;
   at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {

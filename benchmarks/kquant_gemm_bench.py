@@ -1,0 +1,121 @@
+"""The K-quant linear kernel alone on Qwen2.5-Coder-1.5B's prefill shapes (GFLOP/s, ms a call).
+
+One call is one layer's projection of M prompt rows through GGUF Q4_K / Q6_K super-blocks
+(random bytes with small fp16 scales: the kernel's speed does not depend on the values). The
+shapes are the model's (hidden 1536, intermediate 8960, 12 query and 2 KV heads of 128): qkv
+(2048 x 1536), o (1536 x 1536), gate_up (17920 x 1536) and down (1536 x 8960, Q6_K and Q4_K as
+Q4_K_M files mix them). Prints the best of --rounds timed calls; 2 M N K flops a call.
+
+    python benchmarks/kquant_gemm_bench.py                       # M = 64, 256, 512, 2 threads
+    python benchmarks/kquant_gemm_bench.py --rows 16,512 --threads 1
+    python benchmarks/kquant_gemm_bench.py --threads 1 --cpu-time   # on a shared, loaded box
+
+Before/after comparisons run this file against another checkout's ``agentx``
+(``PYTHONPATH=/path/to/other/checkout python benchmarks/kquant_gemm_bench.py``).
+"""
+
+# ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import agentx
+from agentx.kernels import cpu
+from agentx.kernels.ref import kquant
+
+SHAPES = (  # name, type, N, K
+    ("qkv", kquant.Q4_K, 2048, 1536),
+    ("o", kquant.Q4_K, 1536, 1536),
+    ("gate_up", kquant.Q4_K, 17920, 1536),
+    ("down", kquant.Q6_K, 1536, 8960),
+    ("down", kquant.Q4_K, 1536, 8960),
+)
+
+
+def random_weight(n: int, k: int, kind: int) -> torch.Tensor:
+    """Random super-blocks (N, K/256 * block bytes) whose fp16 scales are small and finite."""
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (n, k // kquant.BLOCK, kquant.block_bytes(kind)), generator=gen)
+    raw = raw.to(torch.uint8)
+    scales = (torch.rand(n, k // kquant.BLOCK, 2, generator=gen) * 0.02).half().view(torch.uint8)
+    if kind == kquant.Q4_K:
+        raw[..., 0:4] = scales
+    else:
+        raw[..., 208:210] = scales[..., :2]
+    return raw.reshape(n, -1)
+
+
+def time_call(x: torch.Tensor, w: torch.Tensor, kind: int, rounds: int, clock) -> float:
+    op = torch.ops.agentx.kquant_linear
+    op(x, w, kind, None)
+    best = float("inf")
+    for _ in range(rounds):
+        start = clock()
+        op(x, w, kind, None)
+        best = min(best, clock() - start)
+    return best
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def commit() -> str:
+    root = Path(agentx.__file__).parent.parent
+    out = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="64,256,512", help="comma-separated M values")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the calling thread's CPU seconds (with --threads 1: steadier on a loaded box)",
+    )
+    args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time measures the calling thread only: use it with --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    if not cpu.available():
+        raise SystemExit("the compiled CPU kernels are unavailable here")
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    print(
+        f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads, "
+        f"agentx {commit()} ({Path(agentx.__file__).parent}), torch {torch.__version__}"
+    )
+    print("| shape | type | N x K | M | ms | GFLOP/s |")
+    print("|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(1)
+    for name, kind, n, k in SHAPES:
+        w = random_weight(n, k, kind)
+        type_name = "Q4_K" if kind == kquant.Q4_K else "Q6_K"
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            best = time_call(x, w, kind, args.rounds, clock)
+            gflops = 2 * m * n * k / best / 1e9
+            print(f"| {name} | {type_name} | {n} x {k} | {m} | {best * 1e3:.1f} | {gflops:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -172,7 +172,7 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   }
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "cos_sin: fp32");
   const int64_t rows = x.size(0), hidden = x.size(1);
-  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_head_dim(kv_cache);
   TORCH_CHECK(cos_sin.size(1) == head_dim, "RoPE table must cover the whole head");
   const Linear qkv{weights[1], weights[2], weights[3], bits[0]};
   const Linear o_proj{weights[4], weights[5], weights[6], bits[1]};
@@ -205,7 +205,11 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   clock.lap(kGemms);
   rope_rows(buf.data(), qkv_width, rows, num_heads + num_kv_heads, head_dim,
             cos_sin.data_ptr<float>(), pos);
-  if (kv_cache.scalar_type() == at::kBFloat16) {
+  if (kv_cache.scalar_type() == at::kChar) {
+    write_kv_rows_int8(buf.data() + q_width, buf.data() + q_width + kv_width, qkv_width, rows,
+                       num_kv_heads, head_dim, kv_cache.data_ptr<int8_t>(), kv_cache.stride(0),
+                       kv_cache.size(2), slot_mapping.data_ptr<int64_t>());
+  } else if (kv_cache.scalar_type() == at::kBFloat16) {
     write_kv_rows(buf.data(), qkv_width, rows, q_width, kv_width,
                   kv_cache.data_ptr<at::BFloat16>(), kv_cache.stride(0), kv_cache.size(2),
                   slot_mapping.data_ptr<int64_t>());

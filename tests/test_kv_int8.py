@@ -172,3 +172,12 @@ def test_int8_on_cuda_is_refused():
     with pytest.raises(ConfigError, match="kv_cache_dtype must be"):
         CacheConfig(kv_cache_dtype="int4")
     assert CacheConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
+
+
+def test_int8_page_holds_codes_and_scales():
+    from agentx.engine.kv_cache.specs import FullAttentionSpec
+
+    bf16 = FullAttentionSpec(16, torch.bfloat16, 3, 64)
+    int8 = FullAttentionSpec(16, torch.int8, 3, 64)
+    assert int8.row_size == 68 and bf16.row_size == 64
+    assert (int8.page_size_bytes, bf16.page_size_bytes) == (2 * 16 * 3 * 68, 2 * 16 * 3 * 64 * 2)

@@ -1,12 +1,13 @@
-"""Perplexity of real text with a bf16 and an int8 KV cache (``CacheConfig.kv_cache_dtype``).
+"""Perplexity of real text with an fp32, a bf16 and an int8 KV cache
+(``CacheConfig.kv_cache_dtype``).
 
 The text is a Python standard-library source file (``textwrap.py`` by default: code, comments
 and docstrings), cut into windows of ``--window`` tokens; each window is one prompt whose every
 token's logprob comes back (``SamplingParams.prompt_logprobs``), computed by attention that
 reads the keys and values back from the paged cache, so every position after the first sees its
 context through the cache's element type. Perplexity is exp of the mean negative logprob over
-every predicted token; it also gives the share of positions where the two caches' top-1
-predictions are the same token.
+every predicted token; it also gives the share of positions where each cache's top-1
+prediction is the fp32 cache's (bf16 against fp32 is the scale for int8 against fp32).
 
     python benchmarks/kv_int8_perplexity.py
     python benchmarks/kv_int8_perplexity.py --file /path/to/text --kb 16 --quantization none
@@ -62,18 +63,18 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto")
     args = parser.parse_args()
     text = args.file.read_text()[: args.kb * 1024]
-    results = {dt: score(dt, args.quantization, text, args.window) for dt in ("bfloat16", "int8")}
+    dtypes = ("float32", "bfloat16", "int8")
+    results = {dt: score(dt, args.quantization, text, args.window) for dt in dtypes}
     print(
         f"{args.file.name}: first {len(text)} chars, windows of {args.window} tokens, "
         f"quantization={args.quantization}"
     )
-    print("| KV cache | tokens | perplexity |")
-    print("|---|---|---|")
-    for dt, (ppl, count, _) in results.items():
-        print(f"| {dt} | {count} | {ppl:.4f} |")
-    a, b = results["bfloat16"][2], results["int8"][2]
-    same = sum(x == y for x, y in zip(a, b, strict=True))
-    print(f"top-1 prediction agrees at {same} of {len(a)} positions ({100 * same / len(a):.2f}%)")
+    print("| KV cache | tokens | perplexity | top-1 as fp32's |")
+    print("|---|---|---|---|")
+    base = results["float32"][2]
+    for dt, (ppl, count, top1) in results.items():
+        same = sum(x == y for x, y in zip(base, top1, strict=True))
+        print(f"| {dt} | {count} | {ppl:.4f} | {100 * same / count:.2f}% |")
 
 
 if __name__ == "__main__":

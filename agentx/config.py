@@ -66,7 +66,10 @@ class CacheConfig:
     # Element type of K and V in the paged cache: "auto" is bfloat16 when the model's layers
     # run fused over quantized weights (their attention reads bf16 in place; half the bytes a
     # decode step streams per cached token, twice the tokens a pool holds) and the model's
-    # dtype otherwise; or "float32" / "bfloat16" explicitly.
+    # dtype otherwise; or "float32" / "bfloat16" explicitly; or "int8": symmetric int8 with a
+    # float32 scale per (token, KV head), quantized when written and dequantized inside the
+    # attention kernels (CPU only: the reference and the compiled kernels; about half the bytes
+    # of bf16 a decode step reads, ~1.9x the tokens a pool holds; kernels/ref/kv_int8.py).
     kv_cache_dtype: str = "auto"
     # A programmable KV policy (engine/kv_cache/policy.py): what to keep, demote, prefetch and
     # soft-pin, and where to checkpoint. A KVPolicy instance (shared by every engine built from
@@ -90,9 +93,9 @@ class CacheConfig:
             or self.block_size & (self.block_size - 1)
         ):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8"):
             raise ConfigError(
-                "kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', "
+                "kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'int8', "
                 f"got {self.kv_cache_dtype!r}"
             )
         if self.retention_policy not in ("interval", "marconi", "none"):
@@ -463,6 +466,11 @@ class EngineConfig:
             self.device == "cpu" or self.device.startswith("cuda")
         ):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.cache.kv_cache_dtype == "int8" and self.device != "cpu":
+            raise ConfigError(
+                "kv_cache_dtype='int8' runs on CPU only (the Triton/CUDA attention kernels read "
+                f"float32 or bfloat16 caches), got device={self.device!r}"
+            )
         if self.max_model_len is not None:
             _check_ints(self, ("max_model_len",), 2)
         if self.num_threads is not None:

@@ -9,6 +9,7 @@ milliseconds for 30 layers, and the KV bytes read per second.
 
     python benchmarks/attention_kernel_bench.py                 # decode rows and a prefill tile
     python benchmarks/attention_kernel_bench.py --threads 1 --context 2048 --requests 8
+    python benchmarks/attention_kernel_bench.py --kv-dtype int8   # int8 KV (kernels/ref/kv_int8.py)
 """
 
 # ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
@@ -25,21 +26,20 @@ import time
 import torch
 
 from agentx.kernels import cpu
+from agentx.kernels.ref.kv_int8 import quantize_rows
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 LAYERS = 30
 
 
-def run(threads: int, context: int, requests: int, rows: int) -> str:
+def run(threads: int, context: int, requests: int, rows: int, kv_dtype: str) -> str:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     per_request = context // BLOCK + 1
-    pools = [
-        torch.randn(per_request * requests + 1, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(
-            torch.bfloat16
-        )
-        for _ in range(LAYERS)
-    ]
+    pools = []
+    for _ in range(LAYERS):
+        pool = torch.randn(per_request * requests + 1, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g)
+        pools.append(quantize_rows(pool) if kv_dtype == "int8" else pool.to(torch.bfloat16))
     tables = (torch.randperm(per_request * requests, generator=g) + 1).view(requests, per_request)
     q = torch.randn(rows * requests, HEADS, HEAD_DIM, generator=g)
     token_req = torch.arange(requests).repeat_interleave(rows)
@@ -53,9 +53,9 @@ def run(threads: int, context: int, requests: int, rows: int) -> str:
         for i in range(3 * LAYERS):
             op(q, pools[i % LAYERS], tables, token_req, token_len, HEAD_DIM**-0.5, 0)
         best = min(best, (time.perf_counter() - start) / (3 * LAYERS))
-    kv_bytes = requests * context * KV_HEADS * HEAD_DIM * 2 * 2
+    kv_bytes = requests * context * 2 * pools[0][0, 0, 0].numel() * pools[0].element_size()
     return (
-        f"| {threads} | {context} | {requests} | {rows} | {best * 1e6:,.0f} | "
+        f"| {kv_dtype} | {threads} | {context} | {requests} | {rows} | {best * 1e6:,.0f} | "
         f"{best * LAYERS * 1e3:.2f} | {kv_bytes / best / 1e9:.1f} |"
     )
 
@@ -66,15 +66,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="*", default=[2048])
     parser.add_argument("--requests", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--rows", type=int, default=1, help="query rows a request (1: decode)")
+    parser.add_argument("--kv-dtype", nargs="*", default=["bfloat16"], choices=("bfloat16", "int8"))
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit("the CPU kernels are not built (python -m agentx.kernels.cpu)")
-    print("| threads | context | requests | rows each | us a call | ms for 30 layers | KV GB/s |")
-    print("|---|---|---|---|---|---|---|")
-    for threads in args.threads:
-        for context in args.context:
-            for requests in args.requests:
-                print(run(threads, context, requests, args.rows), flush=True)
+    print(
+        "| KV | threads | context | requests | rows each | us a call | ms for 30 layers | KV GB/s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for kv_dtype in args.kv_dtype:
+        for threads in args.threads:
+            for context in args.context:
+                for requests in args.requests:
+                    print(run(threads, context, requests, args.rows, kv_dtype), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ the fused layer's stages by its opt-in C++ clock), averaged over the steps of ea
     python benchmarks/step_profile.py                    # the default configuration
     python benchmarks/step_profile.py --quantization none   # fp32, unfused (the old path)
     python benchmarks/step_profile.py --decoders 1          # one stream after a 2K prompt
+    python benchmarks/step_profile.py --kv-cache-dtype int8 # int8 KV (bf16 by default)
+
+It also prints the KV bytes a decode step reads (every decoder's context, every attention
+layer, K and V, at the prompt's length) and what attention's time makes of them in GB/s.
 """
 
 # ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
@@ -178,11 +182,12 @@ def main() -> None:
         default="off",
         help="drafting (off by default: a step of drafts is neither kind below)",
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", help="CacheConfig.kv_cache_dtype")
     args = parser.parse_args()
     DECODERS = args.decoders
     config = EngineConfig(
         quantization=args.quantization,
-        cache=CacheConfig(kv_cache_bytes=1 << 30),
+        cache=CacheConfig(kv_cache_bytes=1 << 30, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=512),
         speculative=SpeculativeConfig(enabled=args.speculative == "on"),
     )
@@ -190,6 +195,10 @@ def main() -> None:
     stages: list[torch.Tensor] = []
     with Engine(config) as engine:
         engine.wait_ready()
+        caches = [c for c in engine.core.runner.kv_caches if isinstance(c, torch.Tensor)]
+        # (num_blocks, 2, block_size, Hkv, row): a token's K and V in one layer
+        token_bytes = sum(c[0, :, 0].numel() * c.element_size() for c in caches)
+        kv_dtype = caches[0].dtype
         install(clock, stages)
         rng = random.Random(0)
         long = SamplingParams(max_tokens=10_000, ignore_eos=True)
@@ -202,7 +211,12 @@ def main() -> None:
         time.sleep(1.0)
         for s in streams:
             engine.abort(s.request_id)
-    print(f"quantization={args.quantization}, {DECODERS} request(s) at ~{CONTEXT} tokens")
+    print(
+        f"quantization={args.quantization}, KV {kv_dtype}, "
+        f"{DECODERS} request(s) at ~{CONTEXT} tokens"
+    )
+    kv_bytes = DECODERS * CONTEXT * token_bytes
+    print(f"KV read per decode step: {kv_bytes / 1e6:.1f} MB ({token_bytes} B a token)")
     order = ["GEMMs", "attention", "other ops", "logits", "sampling", "Python"]
     print("| step | steps | total ms | " + " | ".join(order) + " |")
     print("|---|---|---|" + "---|" * len(order))
@@ -214,6 +228,8 @@ def main() -> None:
         acc["Python"] = acc["total"] - sum(acc[c] for c in order if c != "Python")
         cells = " | ".join(f"{1e3 * acc[c] / n:.1f}" for c in order)
         print(f"| {kind} | {n} | {1e3 * acc['total'] / n:.1f} | {cells} |")
+        if kind == "decode" and acc["attention"]:
+            print(f"decode attention: {kv_bytes / (acc['attention'] / n) / 1e9:.1f} GB/s of KV")
 
 
 if __name__ == "__main__":

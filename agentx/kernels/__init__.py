@@ -32,6 +32,7 @@ from agentx.errors import ConfigError
 from agentx.kernels import cpu as _cpu
 from agentx.kernels import ref as _ref
 from agentx.kernels.ref import quant as _ref_quant
+from agentx.kernels.ref.kv_int8 import head_dim_of
 
 BACKEND = env.kernel_backend()
 _log = logging.getLogger(__name__)
@@ -161,9 +162,9 @@ def cpu_attention_fits(kv_cache: torch.Tensor) -> bool:
     """Whether the compiled paged attention takes this cache (device, head size, block size)."""
     return (
         kv_cache.device.type == "cpu"
-        and kv_cache.shape[-1] in (64, 128, 256)
+        and head_dim_of(kv_cache) in (64, 128, 256)
         and kv_cache.shape[2] <= 256
-        and kv_cache.dtype in (torch.float32, torch.bfloat16)
+        and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.int8)
         and cpu_kernels_enabled()
     )
 

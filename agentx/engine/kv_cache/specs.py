@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentx.kernels.ref.kv_int8 import SCALE_BYTES as KV_INT8_SCALE_BYTES
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec(ABC):
@@ -40,9 +42,15 @@ class AttentionSpec(KVCacheSpec):
     head_size: int
 
     @property
+    def row_size(self) -> int:
+        """Elements of one (token, KV head) row in the cache: ``head_size``, plus for an int8
+        cache the row's float32 scale in its last 4 bytes (see ``kernels/ref/kv_int8.py``)."""
+        return self.head_size + (KV_INT8_SCALE_BYTES if self.dtype == torch.int8 else 0)
+
+    @property
     def page_size_bytes(self) -> int:
         """K and V of ``block_size`` tokens."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.row_size * self.itemsize
 
 
 @dataclass(frozen=True, slots=True)

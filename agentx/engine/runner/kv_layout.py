@@ -125,7 +125,7 @@ def _view(slot: torch.Tensor, spec: KVCacheSpec) -> Any:
     num_blocks = slot.shape[0]
     if isinstance(spec, AttentionSpec):
         page = slot[:, : spec.page_size_bytes].view(spec.dtype)
-        return page.view(num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size)
+        return page.view(num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.row_size)
     assert isinstance(spec, LinearStateSpec)
     states, offset = [], 0
     for shape in spec.shapes:

@@ -382,6 +382,13 @@ def resolve_kv_dtype(config: EngineConfig, model_dtype: torch.dtype, fused: bool
     choice = config.cache.kv_cache_dtype
     if choice == "auto":
         return torch.bfloat16 if fused and model_dtype == torch.float32 else model_dtype
+    if choice == "int8":
+        if kernels.triton_enabled() and kernels.BACKEND == "triton":
+            raise ConfigError(
+                "kv_cache_dtype='int8' needs the reference or compiled CPU kernels, "
+                "not AGENTX_KERNELS=triton"
+            )
+        return torch.int8
     return DTYPES[choice]
 
 

@@ -38,6 +38,7 @@ _SOURCES = (
     "qlinear_kquant_avx512.cpp",
     "qlinear_kquant_gemm.cpp",
     "paged_attention.cpp",
+    "kv_int8.cpp",
     "decoder_layer.cpp",
 )
 # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without the

@@ -4,7 +4,8 @@ KV cache of one layer: (num_blocks, 2, block_size, num_kv_heads, head_dim), bloc
 pool page holds a block's K and V and pages of different KV groups can share memory; slot s lives
 at block s // block_size, offset s % block_size. Grouped-query attention: query head h reads KV
 head h // (num_heads // num_kv_heads). ``sliding_window=W``: a query at position p sees keys at
-positions p - W + 1 .. p only.
+positions p - W + 1 .. p only. An int8 cache (``kv_int8.py``) is written quantized and read
+dequantized to float32.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from agentx.kernels.ref.kv_int8 import dequantize_rows, is_int8, write_kv_int8
+
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store new keys/values (T, Hkv, D) into their slots."""
+    if is_int8(kv_cache):
+        write_kv_int8(k, v, kv_cache, slot_mapping)
+        return
     block_size = kv_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     # (num_blocks, 2, bs, Hkv, D) indexed -> (T, Hkv, D); a bf16 cache takes fp32 k, v
@@ -28,10 +34,13 @@ def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Te
     """K and V, each (len(block_table) * block_size, Hkv, D) for one request or (B, L, Hkv, D).
 
     Each strided half is indexed on its own: that yields contiguous blocks, so merging
-    (blocks, block_size) is a view and the context is copied once.
+    (blocks, block_size) is a view and the context is copied once. An int8 cache's come back
+    dequantized (float32).
     """
     k = kv_cache[:, 0][block_table]  # ([B,] nb, bs, Hkv, D)
     v = kv_cache[:, 1][block_table]
+    if is_int8(kv_cache):
+        k, v = dequantize_rows(k), dequantize_rows(v)
     dim = block_table.dim() - 1
     return k.flatten(dim, dim + 1), v.flatten(dim, dim + 1)
 

@@ -289,7 +289,7 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   const LayerWeights w = unpack_layer_weights(weights, bits, hidden);
   const QuantLinear &qkv = w.qkv_proj, &o_proj = w.o_proj;
   const QuantLinear &gate_up = w.gate_up_proj, &down = w.down_proj;
-  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_head_dim(kv_cache);
   TORCH_CHECK(cos_sin.size(1) == head_dim, "RoPE table must cover the whole head");
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
   const int64_t qkv_width = qkv.out_features(), inter = gate_up.out_features() / 2;
@@ -323,7 +323,11 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   clock.lap(kGemms);
   rope_rows(buf, qkv_width, rows, num_heads + num_kv_heads, head_dim,
             cos_sin.data_ptr<float>(), pos);
-  if (kv_cache.scalar_type() == at::kBFloat16) {
+  if (kv_cache.scalar_type() == at::kChar) {
+    write_kv_rows_int8(buf + q_width, buf + q_width + kv_width, qkv_width, rows, num_kv_heads,
+                       head_dim, kv_cache.data_ptr<int8_t>(), kv_cache.stride(0),
+                       kv_cache.size(2), slot_mapping.data_ptr<int64_t>());
+  } else if (kv_cache.scalar_type() == at::kBFloat16) {
     write_kv_rows(buf, qkv_width, rows, q_width, kv_width,
                   kv_cache.data_ptr<at::BFloat16>(), kv_cache.stride(0), kv_cache.size(2),
                   slot_mapping.data_ptr<int64_t>());

@@ -24,6 +24,14 @@ void paged_attention_rows_into(const float* q, const at::Tensor& kv_cache, const
                                const int64_t* token_len, int64_t rows, int64_t heads,
                                float scale, int64_t window, float* out);
 
+// The int8 KV cache (kv_int8.cpp): the head size a cache holds (its last dimension, less an
+// int8 row's 4-byte scale), and the quantizing writer of T rows of K and V (row r's Hkv heads
+// at k + r * ld, v + r * ld) into their slots.
+int64_t kv_head_dim(const at::Tensor& kv_cache);
+void write_kv_rows_int8(const float* k, const float* v, int64_t ld, int64_t rows,
+                        int64_t num_kv_heads, int64_t head_dim, int8_t* cache,
+                        int64_t block_stride, int64_t block_size, const int64_t* slots);
+
 // Which vector instructions the kernels use: kIsaAvx2, or kIsaAvx512 (AVX-512 VNNI) when the
 // CPU has it (the default there). set >= 0 chooses (tests compare the two); -1 only reads.
 constexpr int64_t kIsaAvx2 = 0;

@@ -2,7 +2,11 @@
 // prefill rows alike.
 //
 // KV cache of one layer: (num_blocks, 2, block_size, num_kv_heads, head_dim), float32 or
-// bfloat16. Each query row is one token of one request and sees that request's first `len`
+// bfloat16; or int8 with each (token, KV head) row 4 bytes longer, its float32 scale after its
+// head_dim codes (kernels/ref/kv_int8.py). An int8 row is read as codes (exact floats): a score
+// is dot(q, codes) * (row scale * scale) and a value row enters as (prob * row scale) * codes,
+// so dequantizing costs one multiply per key, not per element. int8 runs the AVX2 loops on
+// AVX-512 CPUs too. Each query row is one token of one request and sees that request's first `len`
 // keys (itself included: a decode row is the last, a prefill chunk's rows see one more key
 // each); with a sliding window W only keys len - W .. len - 1 (blocks before that may already
 // be freed and are never read). Query head h reads KV head h / (num_heads / num_kv_heads).
@@ -23,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -33,9 +38,27 @@ namespace agentx {
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+}
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// int8 caches: each (token, KV head) row ends in its float32 scale.
+template <typename T>
+constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+template <typename T>
+constexpr int64_t kRowExtra = kInt8<T> ? 4 : 0;
+
+// the scale of the int8 row whose codes start at `row` (D codes)
+template <int D>
+inline float row_scale(const int8_t* row) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(s));
+  return s;
 }
 
 // exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor
@@ -163,10 +186,18 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
         acc[h][3] = _mm256_fmadd_ps(qv, k3, acc[h][3]);
       }
     }
-    for (int h = 0; h < NH; ++h) _mm_storeu_ps(score + h * kScoreStride + t, _mm_mul_ps(hsum4(acc[h]), scale4));
+    __m128 key_scale = scale4;
+    if constexpr (kInt8<T>) {
+      key_scale = _mm_mul_ps(_mm_setr_ps(row_scale<D>(k), row_scale<D>(k + ts),
+                                         row_scale<D>(k + 2 * ts), row_scale<D>(k + 3 * ts)),
+                             scale4);
+    }
+    for (int h = 0; h < NH; ++h) _mm_storeu_ps(score + h * kScoreStride + t, _mm_mul_ps(hsum4(acc[h]), key_scale));
   }
   for (; t < count; ++t) {
-    for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = dot1<T, D>(q + h * D, kb + t * ts) * scale;
+    float key_scale = scale;
+    if constexpr (kInt8<T>) key_scale = row_scale<D>(kb + t * ts) * scale;
+    for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = dot1<T, D>(q + h * D, kb + t * ts) * key_scale;
   }
 }
 
@@ -185,8 +216,12 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
       pf->step();
       const T* v = vb + t * ts + s;
       const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+      float value_scale = 1.f;
+      if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
       for (int h = 0; h < NH; ++h) {
-        const __m256 p = _mm256_set1_ps(prob[h * kScoreStride + t]);
+        float pt = prob[h * kScoreStride + t];
+        if constexpr (kInt8<T>) pt *= value_scale;
+        const __m256 p = _mm256_set1_ps(pt);
         acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
         acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
         acc[h][2] = _mm256_fmadd_ps(p, v2, acc[h][2]);
@@ -400,9 +435,11 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
                  State* states) {
   alignas(32) float score[3 * kScoreStride];
   const int64_t chunk = std::max(kChunkTokens, block_size);
-  const int64_t token_stride = num_kv_heads * D, heads = num_kv_heads * group;
+  const int64_t row = D + kRowExtra<T>;  // one (token, KV head) row
+  const int64_t token_stride = num_kv_heads * row, heads = num_kv_heads * group;
   // one chunk's K (first half) and V (second half) as fp32, for bf16 caches and tiles of rows
-  const bool widened = !std::is_same_v<T, float> && tile_rows > 1;
+  // (an int8 row is read as codes by every row of the tile: its scales are applied per key)
+  const bool widened = std::is_same_v<T, at::BFloat16> && tile_rows > 1;
   thread_local std::vector<float> wide;
   const int64_t wide_v = chunk * token_stride;
   if (widened && static_cast<int64_t>(wide.size()) < 2 * wide_v) wide.resize(2 * wide_v);
@@ -440,15 +477,17 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
       segs[nsegs++] = {k, k + block_size * token_stride, seg_end - t};
       t = seg_end;
     }
-    if (widened) {
-      // bf16: widen the chunk's K and V to fp32 once for the whole tile (exact), so the rows'
-      // inner loops load floats instead of converting every element again
-      for (int64_t s = 0, off = 0; s < nsegs; off += segs[s].count, ++s) {
-        const int64_t n = segs[s].count * token_stride;
-        widen(segs[s].k, n, wide.data() + off * token_stride);
-        widen(segs[s].v, n, wide.data() + wide_v + off * token_stride);
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (widened) {
+        // bf16: widen the chunk's K and V to fp32 once for the whole tile (exact), so the rows'
+        // inner loops load floats instead of converting every element again
+        for (int64_t s = 0, off = 0; s < nsegs; off += segs[s].count, ++s) {
+          const int64_t n = segs[s].count * token_stride;
+          widen(segs[s].k, n, wide.data() + off * token_stride);
+          widen(segs[s].v, n, wide.data() + wide_v + off * token_stride);
+        }
+        wsegs[0] = {wide.data(), wide.data() + wide_v, end - start};
       }
-      wsegs[0] = {wide.data(), wide.data() + wide_v, end - start};
     }
     // KV head outer, rows inner: one head's K and V of the chunk (2 x 16 KB widened at head
     // dim 64) stay in L1 for the tile's rows; all heads' (48 KB and more) would not
@@ -463,7 +502,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
           fold_heads<float, D, Wide>(qh, whead, count, token_stride, scale, score, st, group,
                                      &pf);
         } else {
-          head_segments<T>(segs, nsegs, h * D, head_segs);
+          head_segments<T>(segs, nsegs, h * row, head_segs);
           fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group,
                                  &pf);
         }
@@ -497,8 +536,10 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
               int64_t table_stride, const int64_t* token_req, const int64_t* token_len,
               int64_t rows, int64_t heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t block_size, int64_t window, float scale, float* out) {
-  const TileFn<T> fn =
-      kernel_isa(-1) == kIsaAvx512 ? tile_fn<T, true>(head_dim) : tile_fn<T, false>(head_dim);
+  TileFn<T> fn = tile_fn<T, false>(head_dim);
+  if constexpr (!kInt8<T>) {  // int8: the AVX2 loops on every CPU
+    if (kernel_isa(-1) == kIsaAvx512) fn = tile_fn<T, true>(head_dim);
+  }
   TORCH_CHECK(fn != nullptr, "paged attention: head_dim must be 64, 128 or 256");
   const int64_t group = heads / num_kv_heads;
   // Tiles of rows, then (tile, split) items. Rows of a tile share their splits' bounds:
@@ -600,8 +641,9 @@ void check_cache(const at::Tensor& kv_cache) {
                   kv_cache.stride(1) == kv_cache.size(2) * kv_cache.stride(2),
               "kv_cache: each block's (2, block_size, num_kv_heads, head_dim) must be dense");
   TORCH_CHECK(kv_cache.size(2) <= 256, "block_size must be <= 256");
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
-              "KV cache must be fp32 or bf16");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16 ||
+                  kv_cache.scalar_type() == at::kChar,
+              "KV cache must be fp32, bf16 or int8");
 }
 
 // q (T, H, D) float32; block_tables (B, max_blocks), token_req (T,), token_len (T,) int64
@@ -615,7 +657,7 @@ at::Tensor paged_attention_rows(const at::Tensor& q, const at::Tensor& kv_cache,
               "block_tables, token_req and token_len must be int64");
   TORCH_CHECK(token_req.numel() == q.size(0) && token_len.numel() == q.size(0),
               "token_req and token_len need one entry per query row");
-  TORCH_CHECK(kv_cache.size(4) == q.size(2), "head_dim mismatch");
+  TORCH_CHECK(kv_head_dim(kv_cache) == q.size(2), "head_dim mismatch");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "num_heads must be a multiple of num_kv_heads");
   const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous();
   const at::Tensor req = token_req.contiguous(), len = token_len.contiguous();
@@ -636,8 +678,11 @@ void paged_attention_rows_into(const float* q, const at::Tensor& kv_cache, const
   check_cache(kv_cache);
   if (rows == 0) return;
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t head_dim = kv_cache.size(4);
-  if (kv_cache.scalar_type() == at::kBFloat16) {
+  const int64_t head_dim = kv_head_dim(kv_cache);
+  if (kv_cache.scalar_type() == at::kChar) {
+    run_rows(q, kv_cache.data_ptr<int8_t>(), kv_cache.stride(0), tables, table_stride, token_req,
+             token_len, rows, heads, num_kv_heads, head_dim, block_size, window, scale, out);
+  } else if (kv_cache.scalar_type() == at::kBFloat16) {
     run_rows(q, kv_cache.data_ptr<at::BFloat16>(), kv_cache.stride(0), tables, table_stride,
              token_req, token_len, rows, heads, num_kv_heads, head_dim, block_size, window, scale,
              out);

@@ -158,8 +158,9 @@ def test_gemma3_session_reloads_its_window_from_host_and_disk(tmp_path):
         first = cold.add_request(a, GREEDY).result(timeout=600).token_ids
         second = a + first + [5, 6, 7]
         expected = cold.add_request(second, GREEDY).result(timeout=600).token_ids
-    # host for 150 blocks: older ones are demoted to disk and load from there
-    offload = OffloadConfig(host_bytes=150 * 98304, disk_path=tmp_path)
+    # host for 300 of the 444 blocks the two sessions publish: a's older ones are demoted to
+    # disk and load from there, its newer ones from host
+    offload = OffloadConfig(host_bytes=300 * 98304, disk_path=tmp_path)
     config = EngineConfig(model=path, cache=CacheConfig(num_blocks=GEMMA_POOL), offload=offload)
     with Engine(config) as engine:
         gen = session_turns(engine, (a, b, first, second, expected))
@@ -168,7 +169,9 @@ def test_gemma3_session_reloads_its_window_from_host_and_disk(tmp_path):
         assert gen.usage.cached_tokens == 37 * 16
         assert gen.token_ids == expected
         stats = engine.stats()
-        assert stats.offload_loaded_blocks + stats.offload_failed_blocks <= 37 + 5 * 32
         hits = engine.core.offload.store.num_hits
-        assert hits["host"] > 0 and hits["disk"] > 0
+        # at most 37 + 5 x 32 = 197 blocks (what the device still caches is not loaded): a
+        # full-attention-only layout would load up to 6 x 37 = 222
+        assert (stats.offload_loaded_blocks, hits) == (186, {"host": 62, "disk": 124}), hits
+        assert stats.offload_failed_blocks == 0
         assert_idle(engine)

@@ -12,7 +12,11 @@
               them into another engine as held KV (with ``include_tail`` the partial last
               block too, under a key of its own: a P/D hand-over resumes at the exact token)
 
-A load that fails midway keeps the prefix that arrived and the request recomputes the rest.
+Every KV layout: each group's published blocks are stored under their pool keys (full attention
+every block, sliding window the blocks inside the window, linear attention the checkpoints its
+retention kept); a load fetches what the device lacks of the longest hit every group agrees on
+(the coordinator's ``plan_tier_hit``). A load that fails midway keeps the longest agreed prefix
+that arrived and the request recomputes the rest.
 The manager reads and writes KV only through the runner's page gather/scatter.
 """
 
@@ -50,7 +54,7 @@ class PageIO(Protocol):
 class _Load:
     handle: str | None  # the held KV the blocks become (None: the device cache only)
     request_id: str | None  # the parked request waiting for it (None: a prefetch or import)
-    token_ids: list[int]  # tokens of device_blocks + blocks
+    token_ids: list[int]  # tokens of the hit's blocks (``hashes``)
     device_blocks: list[KVBlock]  # device blocks of the hit, every group (referenced)
     blocks: list[KVBlock]  # fresh device blocks the pages land in
     hashes: list[BlockHash]  # the prefix hashes of the hit (token_ids' blocks)
@@ -142,7 +146,8 @@ class OffloadManager(Offload):
         """Load what the device lacks of the longest hit of ``hashes`` that every KV group
         agrees on (then ``tail``: a partial block's key and tokens, single-group layouts,
         loaded only if every full block before it is)."""
-        with_tail = tail is not None and self.store.contains([tail[0]])[0]
+        single = len(self.kv.layout.groups) == 1  # a partial block of one group only
+        with_tail = single and tail is not None and self.store.contains([tail[0]])[0]
         hit = self.kv.plan_load(hashes, self.store.contains, num_reserved=int(with_tail))
         with_tail = with_tail and hit.num_blocks == len(hashes)
         keys = hit.keys + ([tail[0]] if tail is not None and with_tail else [])

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentx import CacheConfig, Engine, EngineConfig, SamplingParams
+from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 from agentx.config import OffloadConfig
 from tests.model_helpers import random_tokens, save_qwen3_next_folder, tiny_qwen3_next
 
@@ -40,7 +40,10 @@ def run_config(folder: Path, turns, num_blocks: int, policy: str, offload: Offlo
         retention_policy=policy,
         prefix_cache_retention_interval=32 if policy == "interval" else 0,
     )
-    config = EngineConfig(model=str(folder), cache=cache, offload=offload)
+    # 64-token chunks: interval retention takes a page per 32-token checkpoint during a chunk,
+    # and a small pool must hold a whole chunk's pages at once
+    sched = SchedulerConfig(max_num_batched_tokens=64)
+    config = EngineConfig(model=str(folder), cache=cache, scheduler=sched, offload=offload)
     contexts = [[] for _ in turns]
     handles: list[str | None] = [None for _ in turns]
     outputs, num_prompt, num_cached, num_ideal = [], 0, 0, 0
@@ -99,7 +102,10 @@ def main() -> None:
     num_groups = 3  # 2 linear-state groups + 1 full-attention group share the pool
     # the pool holds working_set / ratio tokens of the full-attention group (the linear groups
     # take one running page and some checkpoints per session on top, from the same pool)
-    num_blocks = int(working_set / args.pool_ratio / block_size) + 2 * num_groups
+    # (at least the largest turn: its full blocks plus running and checkpoint pages of a chunk;
+    # a hybrid turn that cannot fit waits forever rather than failing: see the report)
+    largest = -(-final // block_size) + 3 * (num_groups - 1) + 2
+    num_blocks = max(int(working_set / args.pool_ratio / block_size) + 2 * num_groups, largest)
     page_bytes = 32768 * 2  # a generous bound on the tiny model's offload page
     tiers = {
         "device": OffloadConfig(),

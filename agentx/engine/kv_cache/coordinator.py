@@ -5,22 +5,43 @@ in which lengths they can resume from: full attention any prefix of its cached b
 window a length whose last window is cached, linear state only a length with a checkpoint
 exactly there. The hit length is narrowed group by group until all agree; lengths only shrink,
 so this ends.
+
+With offload tiers the same rule runs over two sources: a group's block at entry i is usable
+when the device caches it or a tier holds it (``plan_tier_hit``). The agreed length is the
+longest one every group can resume from; what the device lacks of it is loaded::
+
+    entries      0    1    2    3    4    5        hit of 6 blocks
+    full         dev  dev  tier tier tier dev      every entry
+    sliding      -    -    -    -    tier dev      the last window (2 blocks here)
+    linear       -    -    -    -    -    tier     the checkpoint at the hit point
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from agentx.engine.block_hash import BlockHash
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.linear_state import LinearStateManager  # registers its spec
 from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
 from agentx.engine.kv_cache.retention import RetentionPolicy
-from agentx.engine.kv_cache.single_type import SingleTypeKVManager, make_manager
+from agentx.engine.kv_cache.single_type import SingleTypeKVManager, _num_revived, make_manager
 from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
 
 GroupBlocks = tuple[list[KVBlock], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierHit:
+    """A prefix hit of ``num_blocks`` blocks that every group agrees on, device and tiers
+    together: the device blocks it reuses and the pool keys of the blocks to load (entry
+    order, so a load failing midway still leaves a usable prefix)."""
+
+    num_blocks: int
+    device_blocks: list[KVBlock]
+    keys: list[BlockHash]
 
 
 class KVCacheCoordinator:
@@ -50,6 +71,38 @@ class KVCacheCoordinator:
             hit_length = num_blocks * self.block_size
             if all(len(h) == num_blocks for h in hits):
                 return tuple(hits), hit_length
+
+    def plan_tier_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        in_tiers: Callable[[list[BlockHash]], list[bool]],
+        num_free: int | None = None,
+        use_device: bool = True,
+    ) -> TierHit:
+        """The longest hit of at most ``len(block_hashes)`` blocks that the device cache and
+        the tiers (``in_tiers``: one presence flag per pool key, asked once) complete in every
+        group, loading at most ``num_free`` fresh blocks (a revived free device block counts
+        too). ``use_device=False``: from the tiers alone. No side effects."""
+        keys = [[m.key(h) for h in block_hashes] for m in self.managers]
+        device = [
+            [self.pool.get_cached_block(k) if use_device else None for k in group] for group in keys
+        ]
+        missing = [k for g, ks in enumerate(keys) for i, k in enumerate(ks) if device[g][i] is None]
+        present = {k for k, found in zip(missing, in_tiers(missing), strict=True) if found}
+        for num_blocks in range(len(block_hashes), 0, -1):
+            needed = sorted(
+                (i, g)
+                for g, m in enumerate(self.managers)
+                for i in m.get_hit_block_indices(num_blocks)
+            )
+            if not all(device[g][i] is not None or keys[g][i] in present for i, g in needed):
+                continue
+            reused = [b for i, g in needed if (b := device[g][i]) is not None]
+            load = [keys[g][i] for i, g in needed if device[g][i] is None]
+            if num_free is not None and len(load) + _num_revived(reused) > num_free:
+                continue
+            return TierHit(num_blocks, reused, load)
+        return TierHit(0, [], [])
 
     def get_num_blocks_to_allocate(
         self, request: Request, num_tokens: int, new_computed: GroupBlocks

@@ -60,6 +60,9 @@ class LinearStateManager(SingleTypeKVManager):
                 return [self.pool.null_block] * (i - 1) + [block]
         return []
 
+    def get_hit_block_indices(self, num_blocks: int) -> range:
+        return range(num_blocks - 1, num_blocks)  # the checkpoint at the hit point only
+
     def _plan(self, request: Request) -> CheckpointPlan:
         plan = self.plans.get(request.request_id)
         if plan is None:

@@ -19,12 +19,13 @@ validates it before anything here applies it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentx.engine.block_hash import BlockHash
 from agentx.engine.hints import BranchPoint, TurnsLeft
 from agentx.engine.kv_cache.block_pool import KVBlock
-from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator
+from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator, TierHit
 from agentx.engine.kv_cache.held import BlockCopy, HeldKV, HeldKVManager
 from agentx.engine.kv_cache.policy import KVPolicy, TurnEnd
 from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
@@ -259,44 +260,74 @@ class KVCacheManager:
     def get_held(self, handle: str | None) -> HeldKV | None:
         return self.held.get(handle)
 
-    # ---- for the offload tiers (offload/manager.py); single-group layouts only ----------------
+    # ---- for the offload tiers (offload/manager.py); every layout ---------------------------
 
     def enable_publish_log(self) -> None:
-        """From now on, record every block published to the prefix cache (``take_published``)."""
+        """From now on, record every block published to the prefix cache (``take_published``):
+        pool keys of every group (full blocks, sliding-window blocks, linear checkpoints)."""
         self.pool.published = []
 
     def take_published(self) -> list[tuple[BlockHash, KVBlock]]:
-        """Drain the (hash, block) pairs published since the last call, still cached as such."""
+        """Drain the (pool key, block) pairs published since the last call, still cached."""
         return self.pool.take_published()
 
-    def find_cached_prefix(self, block_hashes: list[BlockHash]) -> list[KVBlock]:
-        """The device blocks of the longest cached prefix of ``block_hashes``; no side effects."""
-        max_length = len(block_hashes) * self.block_size
-        blocks, _ = self.coordinator.find_longest_cache_hit(block_hashes, max_length)
-        return list(blocks[0])
+    def plan_load(
+        self,
+        block_hashes: list[BlockHash],
+        in_tiers: Callable[[list[BlockHash]], list[bool]],
+        num_reserved: int = 0,
+    ) -> TierHit:
+        """The longest prefix hit of ``block_hashes`` the device and the tiers complete in
+        every group (the coordinator's rule), whose fresh blocks fit the pool now with
+        ``num_reserved`` to spare; no side effects."""
+        num_free = self.pool.num_free_blocks - num_reserved
+        return self.coordinator.plan_tier_hit(block_hashes, in_tiers, num_free)
+
+    def plan_tier_only(
+        self, block_hashes: list[BlockHash], in_tiers: Callable[[list[BlockHash]], list[bool]]
+    ) -> int:
+        """Blocks of the longest prefix hit the tiers alone complete (an export's length)."""
+        return self.coordinator.plan_tier_hit(block_hashes, in_tiers, use_device=False).num_blocks
 
     def get_num_loadable_blocks(self, prefix: list[KVBlock]) -> int:
         """How many fresh blocks ``prepare_load(prefix, n)`` can allocate right now."""
         return self.pool.num_free_blocks - sum(1 for b in prefix if b.ref_cnt == 0)
 
     def prepare_load(self, prefix: list[KVBlock], num_blocks: int) -> list[KVBlock]:
-        """Reference the device ``prefix`` and allocate ``num_blocks`` fresh blocks for the
-        pages that continue it; ``complete_load`` gives them their content's hashes."""
+        """Reference the device blocks a hit reuses and allocate ``num_blocks`` fresh blocks
+        for the pages it loads; ``complete_load`` gives them their pool keys."""
         self.pool.touch(prefix)
         return self.pool.allocate_blocks(num_blocks)
 
     def complete_load(
-        self, blocks: list[KVBlock], block_hashes: list[BlockHash], num_done: int
+        self, blocks: list[KVBlock], keys: list[BlockHash], num_done: int
     ) -> list[KVBlock]:
-        """The first ``num_done`` blocks hold their pages now: cache them (not published: the
-        tiers have them); the rest failed and go back to the pool. Returns the done blocks."""
+        """The first ``num_done`` blocks hold their pages now: cache them under their pool
+        keys (not published: the tiers have them); the rest failed and go back to the pool.
+        Returns the done blocks."""
         done, failed = blocks[:num_done], blocks[num_done:]
         log, self.pool.published = self.pool.published, None
-        for block, block_hash in zip(done, block_hashes, strict=False):
-            self.pool.cache_block(block, block_hash)
+        for block, key in zip(done, keys, strict=False):
+            self.pool.cache_block(block, key)
         self.pool.published = log
         self.pool.free_blocks(failed)
         return done
+
+    def take_cached_hit(self, block_hashes: list[BlockHash]) -> GroupBlocks:
+        """Reference and return the device blocks of the longest hit of ``block_hashes`` every
+        group agrees on (after a load: what landed of it); empty lists when none."""
+        max_length = len(block_hashes) * self.block_size
+        groups, _ = self.coordinator.find_longest_cache_hit(block_hashes, max_length)
+        for group in groups:
+            self.pool.touch(group)
+        return groups
+
+    def get_held_keys(self, handle: str) -> list[BlockHash]:
+        """The pool keys of held KV's cached blocks, every group (what the tiers hold of it)."""
+        held = self.held.get(handle)
+        if held is None:
+            return []
+        return [b.block_hash for g in held.blocks for b in g if b.block_hash is not None]
 
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         """Drop a reference from each block, last block first: the tail is evicted first."""
@@ -305,7 +336,8 @@ class KVCacheManager:
     def demote_cached(self, block_hashes: list[BlockHash]) -> None:
         """Free cached blocks of these hashes are reused before other cached ones (a lower
         tier keeps their content); held blocks are skipped."""
-        blocks = [self.pool.get_cached_block(h) for h in block_hashes]
+        keys = [m.key(h) for h in block_hashes for m in self.coordinator.managers]
+        blocks = [self.pool.get_cached_block(k) for k in keys]
         self.pool.demote_blocks([b for b in blocks if b is not None])
 
     def add_held(

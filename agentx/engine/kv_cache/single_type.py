@@ -139,6 +139,11 @@ class SingleTypeKVManager(ABC):
         """Leading blocks of the request that a future hit could use (None: all of them)."""
         return None
 
+    def get_hit_block_indices(self, num_blocks: int) -> range:
+        """The entries a hit of ``num_blocks`` blocks reads in this group (the others may be
+        null): what a lower tier must hand back for such a hit. All of them, by default."""
+        return range(num_blocks)
+
     @abstractmethod
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
@@ -202,6 +207,9 @@ class SlidingWindowManager(SingleTypeKVManager):
             if len(run) >= self.num_window_blocks:
                 return [null] * i + run[::-1]
         return run[::-1]  # a run reaching block 0: the whole (short) prefix is cached
+
+    def get_hit_block_indices(self, num_blocks: int) -> range:
+        return range(max(0, num_blocks - self.num_window_blocks), num_blocks)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.req_to_blocks.get(request_id)

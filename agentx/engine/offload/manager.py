@@ -12,7 +12,11 @@
               them into another engine as held KV (with ``include_tail`` the partial last
               block too, under a key of its own: a P/D hand-over resumes at the exact token)
 
-A load that fails midway keeps the prefix that arrived and the request recomputes the rest.
+Every KV layout: each group's published blocks are stored under their pool keys (full attention
+every block, sliding window the blocks inside the window, linear attention the checkpoints its
+retention kept); a load fetches what the device lacks of the longest hit every group agrees on
+(the coordinator's ``plan_tier_hit``). A load that fails midway keeps the longest agreed prefix
+that arrived and the request recomputes the rest.
 The manager reads and writes KV only through the runner's page gather/scatter.
 """
 
@@ -26,7 +30,7 @@ from typing import Protocol
 import torch
 
 from agentx.config import OffloadConfig
-from agentx.engine.block_hash import BlockHash, hash_partial_block
+from agentx.engine.block_hash import BlockHash, extend_block_hashes, hash_partial_block
 from agentx.engine.hints import ToolLatency
 from agentx.engine.kv_cache import KVBlock, KVCacheManager
 from agentx.engine.kv_cache.policy import ToolWait
@@ -50,10 +54,11 @@ class PageIO(Protocol):
 class _Load:
     handle: str | None  # the held KV the blocks become (None: the device cache only)
     request_id: str | None  # the parked request waiting for it (None: a prefetch or import)
-    token_ids: list[int]  # tokens of device_blocks + blocks
-    device_blocks: list[KVBlock]  # the device hit in front of the loaded blocks (referenced)
+    token_ids: list[int]  # tokens of the hit's blocks (``hashes``)
+    device_blocks: list[KVBlock]  # device blocks of the hit, every group (referenced)
     blocks: list[KVBlock]  # fresh device blocks the pages land in
-    hashes: list[BlockHash]
+    hashes: list[BlockHash]  # the prefix hashes of the hit (token_ids' blocks)
+    keys: list[BlockHash]  # the pool keys the pages load under, one per fresh block
     pages: torch.Tensor  # (n, page_bytes) host staging, untouched until the event
     cache_salt: bytes = b""  # the salt the hashes were made with (the held KV keeps it)
     # a partial last block's tokens: then the last of blocks / hashes / pages is that block
@@ -88,8 +93,6 @@ class OffloadManager(Offload):
         master: MooncakeMaster | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if len(kv.layout.groups) != 1:
-            raise ValueError("offload tiers support single-group (full attention) layouts only")
         self.store = store
         self.kv = kv
         self.runner = runner
@@ -140,30 +143,30 @@ class OffloadManager(Offload):
         cache_salt: bytes = b"",
         tail: tuple[BlockHash, tuple[int, ...]] | None = None,
     ) -> bool:
-        """Load what continues the device hit of ``hashes`` (then ``tail``: a partial block's
-        key and tokens, loaded only if every full block before it is)."""
-        device_blocks = self.kv.find_cached_prefix(hashes)
-        start = len(device_blocks)
-        keys = list(hashes[start:]) + ([tail[0]] if tail is not None else [])
-        num = self.store.lookup(keys).num_hits
-        num = min(num, self.kv.get_num_loadable_blocks(device_blocks))
-        if num <= 0:
+        """Load what the device lacks of the longest hit of ``hashes`` that every KV group
+        agrees on (then ``tail``: a partial block's key and tokens, single-group layouts,
+        loaded only if every full block before it is)."""
+        single = len(self.kv.layout.groups) == 1  # a partial block of one group only
+        with_tail = single and tail is not None and self.store.contains([tail[0]])[0]
+        hit = self.kv.plan_load(hashes, self.store.contains, num_reserved=int(with_tail))
+        with_tail = with_tail and hit.num_blocks == len(hashes)
+        keys = hit.keys + ([tail[0]] if tail is not None and with_tail else [])
+        if not keys:
             return False
-        with_tail = tail is not None and num == len(keys)
-        num_full = start + num - with_tail
-        blocks = self.kv.prepare_load(device_blocks, num)
-        pages = torch.empty((num, self.runner.page_bytes), dtype=torch.uint8)
-        ticket = self.store.load(keys[:num], list(pages))
+        blocks = self.kv.prepare_load(hit.device_blocks, len(keys))
+        pages = torch.empty((len(keys), self.runner.page_bytes), dtype=torch.uint8)
+        ticket = self.store.load(keys, list(pages))
         self.loads[ticket.job_id] = _Load(
             handle,
             request_id,
-            token_ids[: num_full * self.block_size],
-            device_blocks,
+            token_ids[: hit.num_blocks * self.block_size],
+            hit.device_blocks,
             blocks,
-            keys[:num],
+            list(hashes[: hit.num_blocks]),
+            keys,
             pages,
             cache_salt,
-            tail[1] if with_tail else (),
+            tail[1] if tail is not None and with_tail else (),
         )
         return True
 
@@ -189,20 +192,24 @@ class OffloadManager(Offload):
             self.runner.scatter_pages(done_ids, load.pages[:num_done])
         num_full = len(load.blocks) - bool(load.tail_token_ids)
         full, tail = load.blocks[:num_full], load.blocks[num_full:]
-        done = self.kv.complete_load(full, load.hashes[:num_full], min(num_done, num_full))
+        done = self.kv.complete_load(full, load.keys[:num_full], min(num_done, num_full))
         self.counters.num_loaded_blocks += num_done
         self.counters.num_failed_blocks += len(load.blocks) - num_done
-        blocks = load.device_blocks + done
+        # what landed, as the device cache now agrees on it across groups (a failed block
+        # shortens the hit to the longest length every group still resumes from)
+        groups = self.kv.take_cached_hit(load.hashes) if load.handle is not None else ()
+        self.kv.free_blocks(load.device_blocks + done)  # the load's own references
         if load.handle is None:  # a prefetch into the device cache: most recently used now
-            self.kv.free_blocks(blocks)
             return
-        token_ids = load.token_ids[: len(blocks) * self.block_size]
-        if tail and num_done == len(load.blocks):
-            blocks, token_ids = blocks + tail, token_ids + list(load.tail_token_ids)
+        num_blocks = max((len(g) for g in groups), default=0)
+        token_ids = load.token_ids[: num_blocks * self.block_size]
+        if tail and num_done == len(load.blocks) and num_blocks == len(load.hashes):
+            groups[0].extend(tail)
+            token_ids = token_ids + list(load.tail_token_ids)
         else:
             self.kv.free_blocks(tail)  # not loaded, or its block would not follow a full prefix
-        if blocks:
-            self.kv.add_held(load.handle, token_ids, (blocks,), load.cache_salt)
+        if token_ids:
+            self.kv.add_held(load.handle, token_ids, groups, load.cache_salt)
 
     def idle_wait(self, timeout: float = 0.005) -> None:
         """Nothing to schedule: wait a little for a transfer instead of spinning."""
@@ -290,10 +297,8 @@ class OffloadManager(Offload):
     # ---- pins, release, migration ---------------------------------------------------------
 
     def held_hashes(self, handle: str) -> list[BlockHash]:
-        held = self.kv.get_held(handle)
-        if held is None:
-            return []
-        return [b.block_hash for b in held.blocks[0] if b.block_hash is not None]
+        """The tier keys of held KV's cached blocks, every KV group (pins, drops)."""
+        return self.kv.get_held_keys(handle)
 
     def pin(self, handle: str, pinned: bool) -> None:
         if pinned:
@@ -307,24 +312,25 @@ class OffloadManager(Offload):
     def export(
         self, handle: str, include_tail: bool = False, timeout: float = 30.0
     ) -> KVExport | None:
-        """The held KV's full blocks (and its partial last block with ``include_tail``), once
-        the tiers hold them (waits for the stores)."""
+        """The held KV's prefix as far as the tiers complete a hit of it in every KV group
+        (waits for the stores); with ``include_tail`` its partial last block too (single-group
+        layouts: a hybrid's importer resumes from the last agreed block boundary)."""
         held = self.kv.get_held(handle)
         if held is None:
             return None
-        hashes = self.held_hashes(handle)
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, held.token_ids, self.block_size, held.cache_salt)
         num_full = len(hashes)
         tail = held.token_ids[num_full * self.block_size :]
         tail_key = None
-        if include_tail and tail and num_full == held.num_tokens // self.block_size:
+        if include_tail and tail and len(self.kv.layout.groups) == 1:
             tail_key = hash_partial_block(hashes[-1] if hashes else None, tail, held.cache_salt)
             pages = self.runner.gather_pages([held.blocks[0][num_full].block_id])
             ticket = self.store.store([tail_key], list(pages), self.tier_names)
             self.stores[ticket.job_id] = pages
         self.flush(timeout)
-        num = self.store.lookup(hashes + ([tail_key] if tail_key is not None else [])).num_hits
-        with_tail = tail_key is not None and num == num_full + 1
-        num = min(num, num_full)
+        num = self.kv.plan_tier_only(hashes, self.store.contains)
+        with_tail = tail_key is not None and num == num_full and self.store.contains([tail_key])[0]
         return KVExport(
             tuple(held.token_ids[: num * self.block_size]),
             tuple(hashes[:num]),

@@ -115,6 +115,19 @@ class TieredStore:
         owner = self._presence(hashes)
         return TierLookup(len(owner), tuple(t.name for t in owner))
 
+    def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Per hash, whether some healthy tier holds it (not only a leading run: a hybrid
+        layout's hit needs scattered blocks per group). No pins."""
+        found = [False] * len(hashes)
+        for tier in self.tiers:
+            remaining = [i for i, f in enumerate(found) if not f]
+            if not remaining or not tier.healthy:
+                continue
+            flags = tier.contains([hashes[i] for i in remaining])
+            for i, present in zip(remaining, flags, strict=True):
+                found[i] = present
+        return found
+
     # --- loads --------------------------------------------------------------------------------
 
     def load(self, hashes: Sequence[BlockHash], pages: Sequence[torch.Tensor]) -> TransferTicket:

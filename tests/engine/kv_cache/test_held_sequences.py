@@ -146,15 +146,20 @@ def test_the_offload_facade_loads_blocks_behind_a_device_prefix_into_held_kv():
     a.num_computed_tokens = 12
     kv.free(a)
     b = make_request("b", list(range(16)) + [99])
-    prefix = kv.find_cached_prefix(b.block_hashes)
+    hit = kv.plan_load(b.block_hashes, lambda keys: [True] * len(keys))
+    prefix = hit.device_blocks
     assert [blk.block_id for blk in prefix] == [1, 2, 3]
+    assert hit.num_blocks == 4 and hit.keys == b.block_hashes[3:4]
     assert kv.get_num_loadable_blocks(prefix) == 4  # 7 free, 3 of them are the prefix
     fresh = kv.prepare_load(prefix, 2)
     assert [blk.block_id for blk in fresh] == [4, 5]
     done = kv.complete_load(fresh, b.block_hashes[3:4], num_done=1)  # the second page failed
     assert [blk.block_id for blk in done] == [4] and kv.take_published() == []
     assert kv.pool.get_cached_block(b.block_hashes[3]).block_id == 4
-    kv.add_held("h", list(range(16)), (prefix + done,))
+    groups = kv.take_cached_hit(b.block_hashes)
+    kv.free_blocks(prefix + done)
+    assert [blk.block_id for blk in groups[0]] == [1, 2, 3, 4]
+    kv.add_held("h", list(range(16)), groups)
     assert kv.get_held("h").num_tokens == 16
     assert [blk.ref_cnt for blk in kv.pool.blocks[1:]] == [1, 1, 1, 1, 0, 0, 0]
     kv.check_integrity()

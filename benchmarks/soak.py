@@ -3,6 +3,9 @@
     python benchmarks/soak.py --seconds 60                       # the make-test smoke (CI)
     unshare -n sh -c 'ip link set lo up && .venv/bin/python benchmarks/soak.py --minutes 30 \\
         --json soak.json'                                         # with the Mooncake tier
+    python benchmarks/soak.py --topology dp2 --seconds 60       # a router replica killed
+    python benchmarks/soak.py --topology pd --seconds 60        # a P or D instance killed
+                                                                # (soak_topology.py)
 
 The run is a sequence of phases (``--phase-seconds``). In each, ``--sessions`` tasks run seeded
 random scripts against one engine (host + disk tiers, and Mooncake inside a private network
@@ -588,12 +591,13 @@ def check_leaks(before: dict[str, object], counters: Counters) -> dict[str, obje
         now = resources()
         threads = {k: v for k, v in now["threads"].items() if k not in before["threads"]}
         fds = {fd: t for fd, t in now["fds"].items() if before["fds"].get(fd) != t}
+        children = [pid for pid in now["children"] if pid not in before["children"]]
         leaks = {
             "threads": sorted(threads.values()),
             "fds": sorted(fds.values()),
-            "children": now["children"],
+            "children": children,
         }
-        if not (threads or fds or now["children"]) or time.monotonic() > deadline:
+        if not (threads or fds or children) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     if leaks["threads"] or leaks["fds"] or leaks["children"]:
@@ -638,15 +642,27 @@ def main() -> int:
     parser.add_argument("--rss-band-mib", type=float, default=300.0)
     parser.add_argument("--no-mooncake", dest="mooncake", action="store_false")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--topology",
+        choices=["engine", "dp2", "pd"],
+        default="engine",
+        help="dp2: a ReplicaRouter, pd: a DisaggCoordinator, a part killed (soak_topology.py)",
+    )
     args = parser.parse_args()
     if args.minutes is not None:
         args.seconds = args.minutes * 60
     args.mooncake = args.mooncake and has_private_network() and _mooncake_imports()
-    mooncake = "on" if args.mooncake else "off"
+    mooncake = "on" if args.mooncake and args.topology == "engine" else "off"
     what = f"{args.sessions} sessions, phases of {args.phase_seconds:.0f}s, mooncake {mooncake}"
+    what += f", topology {args.topology}"
     print(f"soak: {args.seconds:.0f}s, {what}", flush=True)
     try:
-        result = soak(args)
+        if args.topology == "engine":
+            result = soak(args)
+        else:
+            from soak_topology import soak_topology
+
+            result = soak_topology(args)
     except Exception:  # noqa: BLE001 - a crash of the soak itself is a failure to report
         traceback.print_exc()
         return 1

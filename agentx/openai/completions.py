@@ -175,6 +175,12 @@ class CompletionService:
         if isinstance(prompt, list):
             if suffix:
                 raise InvalidRequestError("suffix needs a text prompt, not token ids")
+            vocab = tokenizer.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:  # checked before decoding: a negative id is an OverflowError there
+                raise InvalidRequestError(
+                    f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+                )
             return prompt, tokenizer.decode(prompt)
         self.chat.check_text_fits(engine, len(prompt) + len(suffix or ""))
         if not suffix:

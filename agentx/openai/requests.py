@@ -268,6 +268,8 @@ def _response_format(raw: Any) -> dict[str, Any] | None:
         raise InvalidRequestError(
             "response_format.type must be 'text', 'json_object' or 'json_schema'"
         )
+    if raw["type"] == "json_schema" and not isinstance(raw.get("json_schema"), Mapping):
+        raise InvalidRequestError("response_format.json_schema must be an object")
     return None if raw["type"] == "text" else dict(raw)
 
 

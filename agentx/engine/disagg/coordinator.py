@@ -207,6 +207,7 @@ class DisaggCoordinator(EngineBackend):
         if placed is not None and not self.decode[placed.decode].alive:
             del self._sessions[session_id]  # its KV died with its instance: a cold turn
             placed = None
+            self.counters.num_moved_sessions += 1
         stream = RequestStream(rid, prompt_ids)
         flight = Flight(rid, stream, prompt_ids, sampling, options, session_id, "prefill")
         if placed is not None:
@@ -265,10 +266,15 @@ class DisaggCoordinator(EngineBackend):
         return []
 
     def release_held_soon(self, handle: str, drop_cached: bool = False) -> None:
+        """Release a session's KV; a request still in flight under ``handle`` (a caller that
+        aborted it and released its id, which may finish first) releases it when it ends."""
         with self._lock:
             found = [(s, kv) for s, kv in self._sessions.items() if kv.handle == handle]
             for session_id, _ in found:
                 del self._sessions[session_id]
+            flight = self._flights.get(handle)
+            if flight is not None:
+                flight.release_on_finish = True
         for _, kv in found:
             self._release_soon(self.decode[kv.decode], kv.handle)
 
@@ -415,12 +421,18 @@ class DisaggCoordinator(EngineBackend):
             self._fail(flight, item)
             return
         out = flight.take_decoded(item)
+        release = False
         if out.finished:
             with self._lock:  # before the caller sees the end: the next turn finds the KV
                 self._flights.pop(flight.request_id, None)
-                if flight.session_id is not None:
+                if flight.session_id is not None and flight.release_on_finish:
+                    self._sessions.pop(flight.session_id, None)  # this request adopted it
+                    release = True
+                elif flight.session_id is not None:
                     kv = SessionKV(flight.decode, flight.request_id, flight.get_held_token_ids())
                     self._sessions[flight.session_id] = kv
+        if release:  # released by its caller while it ran: nobody continues from it
+            self._release_soon(self.decode[flight.decode], flight.request_id)
         flight.stream.put(out)
 
     # ---- failures ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class Flight:
     first: RequestOutput | None = None  # P's delta (a hand-over turn)
     output_ids: list[int] = field(default_factory=list)
     aborted: bool = False
+    release_on_finish: bool = False  # its held KV was released before it finished
 
     def take_decoded(self, out: RequestOutput) -> RequestOutput:
         """A delta from D as the caller sees it: counted over the whole request (D's prompt
@@ -64,6 +65,7 @@ class DisaggCounters:
     num_handover_tail_tokens: int = 0  # tokens of partial last blocks handed over
     num_finished_on_prefill: int = 0  # ended at their first token (EOS, a stop, max_tokens=1)
     num_failed: int = 0  # requests failed by an instance's death, an abort or a close
+    num_moved_sessions: int = 0  # sessions whose D instance died: their next turn ran cold
 
 
 def num_new_tokens(held: list[int], prompt: list[int]) -> int:

@@ -207,15 +207,25 @@ async def main() -> None:
     parser.add_argument("--repeat", action="store_true", help="a last turn re-emits the file")
     parser.add_argument("--tasks", type=Path, help="a folder of fix-the-bug tasks to run")
     parser.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
-    parser.add_argument("--max-turns", type=int, default=8, help="turns per task")
-    parser.add_argument("--max-tokens", type=int, default=512, help="output tokens per turn")
+    parser.add_argument("--max-turns", type=int, default=10, help="turns per task")
+    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens per turn")
+    parser.add_argument("--transcript", action="store_true", help="print every task's turns")
+    parser.add_argument("--json", type=Path, help="write the per-task results here")
     add_backend_argument(parser)
     args = parser.parse_args()
     with open_engine(args.backend, args.speculative, args.model) as engine:
         if args.tasks is not None:
             from _coding_tasks import run_tasks
 
-            await run_tasks(engine, args.tasks, args.task, args.max_turns, args.max_tokens)
+            await run_tasks(
+                engine,
+                args.tasks,
+                args.task,
+                args.max_turns,
+                args.max_tokens,
+                args.transcript,
+                args.json,
+            )
         else:
             await agent(engine, args)
 

@@ -16,7 +16,8 @@ it renames the function it fixes, so the precise ``replace_in_file`` comes first
 plugin warnings and progress bars buried the one ``E`` line that says what is wrong; and after
 a PASSED it kept editing and testing until the turn limit, so the loop ends at the first passing
 ``run_tests`` (as a CI gate would); offered ``tool_choice="auto"`` it wrote a plan in prose with
-imagined file contents instead of reading them, so every turn must be a call (``"required"``).
+imagined file contents instead of reading them, so every turn must be a call (``"required"``),
+and one call only: allowed several, it queued four edits before reading the file they edit.
 
 The loop calls tools until the tests pass or the turn limit is reached; then the tests run once
 more and decide success. ``transcript=True`` prints each turn: the raw reply, the parsed calls
@@ -201,7 +202,7 @@ async def run_task(
         files = ", ".join(sorted(p.name for p in task.glob("*.py")))
         ask = f"{(task / 'TASK.md').read_text().strip()}\nThe files: {files}."
         async with Session(engine, tools=workspace.tools(), system=SYSTEM, sampling=sampling) as s:
-            reply = await s.send(ask, tool_choice=TOOL_CHOICE)
+            reply = await s.send(ask, tool_choice=TOOL_CHOICE, parallel_tool_calls=False)
             turns = 1
             while reply.tool_calls:
                 results = [await _execute(s.tools, call) for call in reply.tool_calls]
@@ -211,7 +212,7 @@ async def run_task(
                     s.add_tool_result(call.id, content, is_error)
                 if any(content.startswith(PASSED) for content, _ in results) or turns >= max_turns:
                     break
-                reply = await s.send(tool_choice=TOOL_CHOICE)
+                reply = await s.send(tool_choice=TOOL_CHOICE, parallel_tool_calls=False)
                 turns += 1
             if transcript and not reply.tool_calls:
                 _print_turn(reply, [])

@@ -13,7 +13,8 @@ so the folders stay broken for the next run. The agent gets five tools over that
 
 Why these shapes (from the transcripts of Qwen2.5-Coder-1.5B): asked to rewrite a whole file
 it renames the function it fixes, so the precise ``replace_in_file`` comes first; pytest's
-plugin warnings and progress bars buried the one ``E`` line that says what is wrong; and after
+plugin warnings and progress bars buried the one ``E`` line that says what is wrong; it edited
+a test to match the bug and made edits that change nothing, which the tools now refuse; after
 a PASSED it kept editing and testing until the turn limit, so the loop ends at the first passing
 ``run_tests`` (as a CI gate would); offered ``tool_choice="auto"`` it wrote a plan in prose with
 imagined file contents instead of reading them, so every turn must be a call (``"required"``),
@@ -76,6 +77,12 @@ class TaskWorkspace:
             raise ValueError(f"{path!r} does not exist (files: {files})")
         return target
 
+    def _editable(self, path: str) -> Path:
+        target = self._existing(path)
+        if target.name.startswith("test_"):
+            raise ValueError(f"{path} is a test: the tests say what is right; fix the code")
+        return target
+
     def list_files(self) -> str:
         """List the files of the task."""
         return "\n".join(sorted(p.name for p in self.root.iterdir() if p.is_file()))
@@ -96,7 +103,9 @@ class TaskWorkspace:
             old: the text to replace, copied exactly from the file; it must occur once.
             new: the text to put in its place.
         """
-        target = self._existing(path)
+        target = self._editable(path)
+        if old == new:
+            raise ValueError("`new` is the same as `old`: nothing would change")
         text = target.read_text()
         count = text.count(old) if old else 0
         if count != 1:
@@ -112,7 +121,7 @@ class TaskWorkspace:
             path: the file name, e.g. "mathutil.py".
             content: the complete new text of the file.
         """
-        self._existing(path).write_text(content)
+        self._editable(path).write_text(content)
         return f"wrote {len(content)} characters to {path}"
 
     def run_tests(self) -> str:

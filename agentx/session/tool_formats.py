@@ -102,7 +102,7 @@ class ToolCallFormat(ABC):
         """``Tool.to_dict()`` dicts in the shape the chat template's ``tools`` expects (the
         OpenAI function shape, as transformers passes them), their parameters without the
         validation-only keys (``_brief``): the grammar enforces those, the model need not read
-        them (Qwen2.5-Coder's listing of five tools is 60 tokens shorter)."""
+        them, and every turn's prompt is shorter for it."""
         functions = [t.get("function", t) for t in tools]
         return [{"type": "function", "function": f} for f in _brief(functions)]
 

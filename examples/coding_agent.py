@@ -26,8 +26,9 @@ the context it holds (``SpeculativeConfig``); each turn's line shows its decode 
 drafts accepted (``--speculative off`` to compare).
 
 ``--tasks examples/coding_tasks`` runs fix-the-bug tasks instead (``_coding_tasks.py``): each
-through a Session with list_files / read_file / replace_in_file / write_file / run_tests tools, with the success
-rate and tokens per task (``--model`` for a larger model; SmolLM2-135M rarely fixes one).
+through a Session with list_files / read_file / replace_in_file / write_file / run_tests tools,
+with the success rate and tokens per task (``--model qwen2.5-coder-1.5b`` for a coding model;
+SmolLM2-135M fixes none; docs/bench/coding-agent-2026-12-03.json has both).
 
 Run on this repository (about 20 s on a 2-core CPU)::
 

@@ -26,8 +26,9 @@ the context it holds (``SpeculativeConfig``); each turn's line shows its decode 
 drafts accepted (``--speculative off`` to compare).
 
 ``--tasks examples/coding_tasks`` runs fix-the-bug tasks instead (``_coding_tasks.py``): each
-through a Session with list_files / read_file / write_file / run_tests tools, with the success
-rate and tokens per task (``--model`` for a larger model; SmolLM2-135M rarely fixes one).
+through a Session with list_files / read_file / replace_in_file / write_file / run_tests tools,
+with the success rate and tokens per task (``--model qwen2.5-coder-1.5b`` for a coding model;
+SmolLM2-135M fixes none; docs/bench/coding-agent-2026-12-03.json has both).
 
 Run on this repository (about 20 s on a 2-core CPU)::
 
@@ -207,15 +208,25 @@ async def main() -> None:
     parser.add_argument("--repeat", action="store_true", help="a last turn re-emits the file")
     parser.add_argument("--tasks", type=Path, help="a folder of fix-the-bug tasks to run")
     parser.add_argument("--task", action="append", default=[], help="only this task (repeatable)")
-    parser.add_argument("--max-turns", type=int, default=8, help="turns per task")
-    parser.add_argument("--max-tokens", type=int, default=512, help="output tokens per turn")
+    parser.add_argument("--max-turns", type=int, default=10, help="turns per task")
+    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens per turn")
+    parser.add_argument("--transcript", action="store_true", help="print every task's turns")
+    parser.add_argument("--json", type=Path, help="write the per-task results here")
     add_backend_argument(parser)
     args = parser.parse_args()
     with open_engine(args.backend, args.speculative, args.model) as engine:
         if args.tasks is not None:
             from _coding_tasks import run_tasks
 
-            await run_tasks(engine, args.tasks, args.task, args.max_turns, args.max_tokens)
+            await run_tasks(
+                engine,
+                args.tasks,
+                args.task,
+                args.max_turns,
+                args.max_tokens,
+                args.transcript,
+                args.json,
+            )
         else:
             await agent(engine, args)
 

@@ -234,6 +234,7 @@ class Session:
         prefill: str | None = None,
         tool_choice: ToolChoice | None = None,
         response_format: ResponseFormat | None = None,
+        parallel_tool_calls: bool = True,
     ) -> Turn:
         """A streaming turn: ``async with s.stream("...") as turn: async for event in turn``.
 
@@ -242,19 +243,25 @@ class Session:
         history. ``tool_choice`` (``"auto"``, ``"required"``, ``"none"``, ``{"name": ...}``)
         or ``response_format`` (a pydantic model class or a JSON schema) constrain this turn's
         reply with a grammar; neither combines with the other nor with ``prefill``
-        (InvalidRequestError, raised here).
+        (InvalidRequestError, raised here). ``parallel_tool_calls=False`` lets that grammar
+        write one call at most (a model that queues edits before reading the file it edits).
         """
         sampling = sampling or self.sampling
         tools = list(self.tools.values())
         # misuse raises before the engine starts (the format may need its chat template): a
         # first build uses the format known so far, the model's replaces it once all is valid
         known = self._parser.format if self._parser is not None else None
-        constraint = make_turn_constraint(tools, tool_choice, response_format, tool_format=known)
+        parallel = parallel_tool_calls
+        constraint = make_turn_constraint(
+            tools, tool_choice, response_format, parallel_calls=parallel, tool_format=known
+        )
         if constraint is not None:
             constraint.sampling_for(sampling, prefill)
             if known is None:
                 fmt = self.tool_format
-                rebuilt = make_turn_constraint(tools, tool_choice, response_format, tool_format=fmt)
+                rebuilt = make_turn_constraint(
+                    tools, tool_choice, response_format, parallel_calls=parallel, tool_format=fmt
+                )
                 assert rebuilt is not None  # the same arguments made one above
                 constraint = rebuilt
             sampling = constraint.sampling_for(sampling, prefill)
@@ -271,6 +278,7 @@ class Session:
         prefill: str | None = None,
         tool_choice: ToolChoice | None = None,
         response_format: ResponseFormat | None = None,
+        parallel_tool_calls: bool = True,
     ) -> AssistantMessage:
         """One turn to completion: the assistant message (text, tool calls, usage, and
         ``parsed`` with ``response_format``)."""
@@ -280,6 +288,7 @@ class Session:
             prefill=prefill,
             tool_choice=tool_choice,
             response_format=response_format,
+            parallel_tool_calls=parallel_tool_calls,
         ) as turn:
             return await turn.get_final_message()
 

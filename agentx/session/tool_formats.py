@@ -100,8 +100,11 @@ class ToolCallFormat(ABC):
 
     def template_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``Tool.to_dict()`` dicts in the shape the chat template's ``tools`` expects (the
-        OpenAI function shape, as transformers passes them)."""
-        return [t if "function" in t else {"type": "function", "function": t} for t in tools]
+        OpenAI function shape, as transformers passes them), their parameters without the
+        validation-only keys (``_brief``): the grammar enforces those, the model need not read
+        them, and every turn's prompt is shorter for it."""
+        functions = [t.get("function", t) for t in tools]
+        return [{"type": "function", "function": f} for f in _brief(functions)]
 
     @abstractmethod
     def render_calls(self, calls: list[dict[str, Any]]) -> str:

@@ -241,6 +241,21 @@ async def test_required_calls_always_parse_and_validate(default_engine):
     assert num_stopped >= 6
 
 
+async def test_one_call_without_parallel_tool_calls(default_engine):
+    """The grammar of a turn with ``parallel_tool_calls=False`` holds one call: the reply's
+    block closes after it, where the parallel grammar lets the model go on ("length")."""
+    sampling = SamplingParams(max_tokens=96)
+    async with Session(default_engine, tools=[ship, tag, add], sampling=sampling) as s:
+        turn = s.stream(PROMPTS[2], tool_choice="required", parallel_tool_calls=False)
+        grammar = turn._sampling.structured.grammar
+        assert grammar.splitlines()[0] == 'start: "<tool_call>" "[" call "]" "</tool_call>"'
+        async with turn:
+            reply = await turn.get_final_message()
+        assert len(reply.tool_calls) == 1 and reply.tool_calls[0].ok
+        assert reply.finish_reason == "stop" and reply.content == ""
+        assert reply.usage.output_tokens < 96
+
+
 @slow
 async def test_named_tool_choice_and_run_loop(default_engine):
     sampling = SamplingParams(max_tokens=48)

@@ -70,6 +70,15 @@ def calls(*entries: tuple[str, dict]) -> list[ToolCall]:
 
 ADD = ("add", {"a": 17, "b": 25})
 HEAD, END = "<tool_call>\n", "</tool_call>"
+ECHO_SPEC = {
+    "name": "echo",
+    "parameters": {
+        "type": "object",
+        "properties": {"text": {"type": "string"}},
+        "additionalProperties": False,
+        "$defs": {},
+    },
+}
 ECHO = ("echo", {"text": 'a "quoted" </tool_call> {"name": x} \\ done'})
 
 
@@ -237,6 +246,34 @@ def test_qwen_template_is_hermes(qwen_tokenizer):
     assert detect_tool_call_format(qwen_tokenizer.chat_template).name == "hermes"
 
 
+def test_template_tools_are_brief_function_dicts():
+    # what a template lists: the OpenAI function shape, without the grammar's validation keys
+    fmt = get_tool_call_format("hermes")
+    listed = fmt.template_tools([TOOLS[0].to_dict(), {"type": "function", "function": ECHO_SPEC}])
+    assert listed == [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two integers.",
+                "parameters": {
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                    "type": "object",
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "echo",
+                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}},
+            },
+        },
+    ]
+    assert "additionalProperties" in TOOLS[0].to_dict()["parameters"]  # the tool keeps it
+
+
 def test_qwen_renders_tools_and_tool_results(qwen_tokenizer):
     fmt = detect_tool_call_format(qwen_tokenizer.chat_template)
     specs = [tool.to_dict() for tool in TOOLS]
@@ -244,7 +281,11 @@ def test_qwen_renders_tools_and_tool_results(qwen_tokenizer):
     context.prompt_for([{"role": "user", "content": "What is 17 plus 25?"}])
     head = context.rendered
     assert head.startswith("<|im_start|>system\nYou add numbers.\n\n# Tools\n")
-    assert '{"type": "function", "function": {"name": "add", "description": "Add two' in head
+    assert (
+        '\n{"type": "function", "function": {"name": "add", "description": "Add two integers.", '
+        '"parameters": {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, '
+        '"required": ["a", "b"], "type": "object"}}}\n'
+    ) in head
     assert "<tool_call>" not in head.split("</tools>")[0]  # the listing is the template's
     reply = render_tool_calls(calls(ADD), fmt)
     context.commit_output(qwen_tokenizer.encode(reply + "<|im_end|>"), reply, "stop", None)

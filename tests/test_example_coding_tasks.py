@@ -1,0 +1,59 @@
+"""The tools of ``coding_agent.py --tasks`` (``examples/_coding_tasks.py``), without a model:
+what each returns or refuses on a copy of a real task, and that the copy is fixed by one edit."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import _coding_tasks  # noqa: E402
+
+TASK = ROOT / "examples" / "coding_tasks" / "02_is_even"
+
+
+@pytest.fixture
+def workspace():
+    ws = _coding_tasks.TaskWorkspace(TASK)
+    yield ws
+    ws.close()
+    assert not ws.root.exists()
+
+
+def test_tools_read_refuse_and_fix(workspace):
+    assert [t.name for t in workspace.tools()] == [
+        "list_files",
+        "read_file",
+        "replace_in_file",
+        "write_file",
+        "run_tests",
+    ]
+    assert workspace.list_files() == "TASK.md\nparity.py\ntest_parity.py"
+    assert "return n % 2 == 1\n" in workspace.read_file("parity.py")
+    with pytest.raises(ValueError, match="'nope.py' does not exist"):
+        workspace.read_file("nope.py")
+    with pytest.raises(ValueError, match="outside the task folder"):
+        workspace.read_file("../01_sum_range/mathutil.py")
+    with pytest.raises(ValueError, match="is a test"):
+        workspace.replace_in_file("test_parity.py", "is_even(4)", "is_even(5)")
+    with pytest.raises(ValueError, match="is a test"):
+        workspace.write_file("test_parity.py", "")
+    with pytest.raises(ValueError, match="nothing would change"):
+        workspace.replace_in_file("parity.py", "== 1", "== 1")
+    with pytest.raises(ValueError, match="does not occur"):
+        workspace.replace_in_file("parity.py", "n % 3", "n % 2")
+    with pytest.raises(ValueError, match="occurs 2 times"):
+        workspace.replace_in_file("parity.py", "even", "odd")
+
+    failed = workspace.run_tests()
+    assert failed.startswith("FAILED\n")
+    assert "E   assert False" in failed and "%]" not in failed
+    assert workspace.read_file("TASK.md") == (TASK / "TASK.md").read_text()  # untouched
+
+    assert workspace.replace_in_file("parity.py", "== 1", "== 0") == (
+        "replaced 1 occurrence in parity.py"
+    )
+    assert workspace.run_tests() == "PASSED: all tests pass, the task is done."
+    assert "== 1" in (TASK / "parity.py").read_text()  # the task folder stays broken

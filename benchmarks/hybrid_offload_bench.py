@@ -18,9 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.model_helpers import random_tokens, save_qwen3_next_folder, tiny_qwen3_next
+
 from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 from agentx.config import OffloadConfig
-from tests.model_helpers import random_tokens, save_qwen3_next_folder, tiny_qwen3_next
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 

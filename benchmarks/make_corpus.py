@@ -1,6 +1,6 @@
 """Build ``agentx/bench/data/agent_corpus.txt``, the text that text-backed bench prompts are cut
 from (agentx/bench/corpus.py). Run once; the file is committed and held by its sha256
-(tests/test_bench_prompts.py), so every machine replays the same text whatever its Python::
+(tests/bench/test_bench_prompts.py), so every machine replays the same text whatever its Python::
 
     python benchmarks/make_corpus.py     # with CPython 3.11.7 it rewrites the committed file
 

@@ -246,7 +246,7 @@ async def test_one_call_without_parallel_tool_calls(default_engine):
     block closes after it, where the parallel grammar lets the model go on ("length")."""
     sampling = SamplingParams(max_tokens=96)
     async with Session(default_engine, tools=[ship, tag, add], sampling=sampling) as s:
-        turn = s.stream(PROMPTS[2], tool_choice="required", parallel_tool_calls=False)
+        turn = s.stream(TOOL_PROMPTS[2], tool_choice="required", parallel_tool_calls=False)
         grammar = turn._sampling.structured.grammar
         assert grammar.splitlines()[0] == 'start: "<tool_call>" "[" call "]" "</tool_call>"'
         async with turn:

@@ -5,14 +5,19 @@ prefill and preemption give each prompt's tokens alone, exactly, in both weight 
 fused layer's compiled writer with quantized weights; the op-by-op layers' reference writer
 with fp32 weights), and a block evicted to the host tier and loaded back (its scales travel
 inside its page) gives the cold run's tokens. Another arithmetic: int8 KV against bf16 KV by
-the parity rule (tests/parity.py) on its fixed prompt set.
+the parity rule (tests/helpers/parity.py) on its fixed prompt set.
 """
 
 import pytest
-from parity import PARITY_PROMPTS, QUANTIZED_TOLERANCE, check_logprobs_close, parity_sampling
 
 from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, SchedulerConfig
 from agentx.config import OffloadConfig
+from tests.helpers.parity import (
+    PARITY_PROMPTS,
+    QUANTIZED_TOLERANCE,
+    check_logprobs_close,
+    parity_sampling,
+)
 
 pytestmark = pytest.mark.slow
 

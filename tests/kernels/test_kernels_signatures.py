@@ -46,8 +46,8 @@ CPU_LACKS = {
     "paged_attention_with_lse",
 }
 CPU_ONLY = {
-    # no reference op: tests/test_fused_layer.py compares it with the layer's own modules, and
-    # its weights' contract is checked below
+    # no reference op: tests/kernels/test_fused_layer.py compares it with the layer's own
+    # modules, and its weights' contract is checked below
     "fused_decoder_layer",
     # a host-side layout helper for the compiled attention (token_req / token_len), not an op
     "token_layout",

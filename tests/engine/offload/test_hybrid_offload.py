@@ -13,7 +13,7 @@ from agentx.engine.kv_cache import (
     SlidingWindowSpec,
 )
 from agentx.engine.kv_cache.retention import IntervalRetention
-from tests.kv_helpers import make_request
+from tests.helpers.kv import make_request
 
 FULL = FullAttentionSpec(4, torch.float32, num_kv_heads=1, head_size=8)
 SLIDING = SlidingWindowSpec(4, torch.float32, num_kv_heads=1, head_size=8, sliding_window=8)

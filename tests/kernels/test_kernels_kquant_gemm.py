@@ -9,10 +9,10 @@ extreme weight and activation values where a 16-bit intermediate could saturate.
 
 import pytest
 import torch
-from kquant_helpers import random_blocks
 
 from agentx.kernels import cpu
 from agentx.kernels.ref import kquant
+from tests.helpers.kquant import random_blocks
 
 needs_kernels = pytest.mark.skipif(
     not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 import torch
-from kquant_helpers import random_blocks
 
 from agentx.kernels import cpu
 from agentx.kernels.ref import kquant
+from tests.helpers.kquant import random_blocks
 
 pytestmark = pytest.mark.skipif(
     not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"
@@ -79,7 +79,7 @@ def test_reused_buffers_hold_no_stale_rows():
 
 CAPPED = """
 import torch
-from kquant_helpers import random_blocks
+from tests.helpers.kquant import random_blocks
 from agentx.kernels import cpu
 from agentx.kernels.ref import kquant
 assert cpu.available() and cpu.get_isa() == "avx2"
@@ -96,8 +96,8 @@ print("ok")
 def test_avx2_capped_process_gives_reference_bits():
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     env["AGENTX_CPU_ISA"] = "avx2"
-    tests = os.path.dirname(__file__)
-    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", CAPPED], env=env, capture_output=True, text=True, timeout=300
     )

@@ -21,10 +21,10 @@ import httpx2
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from openai_helpers import ADD_TOOL, PERSON_FORMAT, wait_idle
 
 from agentx.openai import ChatService
 from agentx.openai.server import create_app
+from tests.helpers.openai_api import ADD_TOOL, PERSON_FORMAT, wait_idle
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,12 @@ greedy tokens equal a cold run's; without tiers the same turn recomputes everyth
 from pathlib import Path
 
 import pytest
-from model_helpers import random_tokens, save_qwen3_next_folder, tiny_qwen3_next
 
 from agentx import CacheConfig, Engine, EngineConfig, SamplingParams
 from agentx.config import OffloadConfig
 from agentx.engine.models.loader import gemma3_270m_path
 from agentx.engine.offload import mooncake_master as launcher
+from tests.helpers.models import random_tokens, save_qwen3_next_folder, tiny_qwen3_next
 
 pytestmark = pytest.mark.slow
 

@@ -118,12 +118,16 @@ async def _probe(spec: str, settings: EngineSettings, omp_wait: str, full: bool)
         await adapter.close()
 
 
-def _settings(model: str, threads: int) -> EngineSettings:
-    return EngineSettings(model=model, threads=threads, kv_cache_gib=0.5)
+def _settings(model: str, threads: int, default_model: bool = True) -> EngineSettings:
+    # with --model, every engine loads that file (peers included), not their converted copies
+    return EngineSettings(
+        model=model, threads=threads, kv_cache_gib=0.5, default_model=default_model
+    )
 
 
 async def main_async(args: argparse.Namespace) -> dict:
     model = resolve_model(args.model)
+    default_model = args.model in (None, "", "default")
     engines = args.engines.split(",")
     grid = [Setting(t, w) for t in args.threads for w in args.omp_wait]
     record = {"command": " ".join(["python", *sys.argv]), "machine": _machine(),
@@ -135,14 +139,16 @@ async def main_async(args: argparse.Namespace) -> dict:
             rates = {}
             for setting in grid:
                 probe = await _probe(
-                    spec, _settings(model, setting.threads), setting.omp_wait, False
+                    spec, _settings(model, setting.threads, default_model), setting.omp_wait, False
                 )
                 rates[setting.label()] = probe["decode_short_tok_s"]
                 print(f"  sweep {spec} {setting.label()}: {rates[setting.label()]:.1f} tok/s",
                       file=sys.stderr, flush=True)  # fmt: skip
             best = grid[[s.label() for s in grid].index(max(rates, key=rates.get))]
             record["sweep"][spec] = rates
-        result = await _probe(spec, _settings(model, best.threads), best.omp_wait, True)
+        result = await _probe(
+            spec, _settings(model, best.threads, default_model), best.omp_wait, True
+        )
         result["setting"] = best.label()
         record["results"][spec] = result
         print(f"{spec}: {result}", file=sys.stderr, flush=True)

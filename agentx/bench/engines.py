@@ -93,7 +93,10 @@ def resolve_model(model: str | None) -> str:
         from agentx.engine.models.loader import default_model_path
 
         return str(default_model_path())
-    return str(model)
+    from agentx.model_store import resolve  # a short name (``qwen2.5-coder-1.5b``) -> its file
+
+    path = resolve(str(model))
+    return str(path) if path is not None else str(model)
 
 
 def _tokenizer(model: str):

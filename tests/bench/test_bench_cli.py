@@ -188,3 +188,17 @@ def test_parallel_degrees_reach_the_agentx_engines(tmp_path):
     factories, settings, _ = make_engines(args, ["agentx-inproc"])
     engine = factories["agentx-inproc"]()  # not started: no model is loaded
     assert engine.options.engine_config().parallel.dp == 2
+
+
+def test_resolve_model_takes_the_store_short_names(monkeypatch):
+    from pathlib import Path
+
+    from agentx import model_store
+    from agentx.bench.engines import resolve_model
+
+    def resolve(name):
+        return Path("/cache/coder.gguf") if name == "coder" else None
+
+    monkeypatch.setattr(model_store, "resolve", resolve)
+    assert resolve_model("coder") == "/cache/coder.gguf"
+    assert resolve_model("/models/x.gguf") == "/models/x.gguf"

@@ -7,7 +7,10 @@
 #pragma once
 #pragma GCC optimize("fp-contract=off")
 
+#include <immintrin.h>
+
 #include <cstdint>
+#include <cstring>
 
 namespace agentx {
 namespace kquant {
@@ -63,6 +66,81 @@ inline float q6k_step(float acc, float dx, float d, int32_t s) {
   const float t = d * static_cast<float>(s);
   const float p = dx * t;
   return acc + p;
+}
+
+// ---- 8 columns a vector: the group paths of both kernel files (AVX2 instructions, which every
+// CPU these kernels run on has; the AVX-512 file differs only in how it forms the sums) ----
+
+// 8 vectors of 8 int32 -> one vector whose lane c is the sum of v[c] (exact in any order).
+inline __m256i reduce8(const __m256i* v) {
+  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// Q4_K's 12 scale bytes -> sc and m as 8 bytes each (kquant::q4k_scales, 4 bytes at a time).
+inline void q4k_scale_bytes(const uint8_t* s, uint64_t* sc, uint64_t* m) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+  const uint32_t sc_hi = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+  const uint32_t m_hi = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+  *sc = (u[0] & six) | (static_cast<uint64_t>(sc_hi) << 32);
+  *m = (u[1] & six) | (static_cast<uint64_t>(m_hi) << 32);
+}
+
+// Software prefetch of a block's cache lines (the 8 columns of a group are 8 streams, more
+// than the hardware prefetcher follows well); never faults, even past the weight's end.
+inline void prefetch_block(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes + 63; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+  }
+}
+
+// S2 of 8 columns (lane c: column c) of one row: the 8 min bytes of column c (mb[c]) against
+// that row's 8 sums of 32 (x32, in both lanes), columns c and c + 4 in one madd.
+inline __m256i min_sums8(const uint64_t* mb, __m256i x32) {
+  __m256i v[4];
+  for (int c = 0; c < 4; ++c) {
+    const __m128i pair =
+        _mm_set_epi64x(static_cast<int64_t>(mb[c + 4]), static_cast<int64_t>(mb[c]));
+    v[c] = _mm256_madd_epi16(_mm256_cvtepu8_epi16(pair), x32);
+  }
+  // lane c of each half: [c c c c | c+4 ...] -> hadd twice -> [0 1 2 3 | 4 5 6 7]
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+}
+
+// One row's 8 sums of 32 features of a super-block (from its 16 sums of 16), in both lanes.
+inline __m256i sums32(const int16_t* sums) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + 8));
+  return _mm256_broadcastsi128_si256(_mm_hadd_epi16(lo, hi));  // |sum| <= 32 * 127: exact
+}
+
+// -32 * sum_j sc_j * sums_j of a Q6_K block as 8 int32 lanes (their total is the offset term).
+inline __m256i q6k_offset8(const int8_t* sc, const int16_t* sums) {
+  const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+  const __m256i sv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums));
+  return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, sv), 5));
+}
+
+// q4k_step / q6k_step on 8 columns a vector: the same roundings in every lane.
+inline __m256 q4k_step8(__m256 acc, float dx, __m256 d, __m256 dmin, __m256i s1, __m256i s2) {
+  const __m256 a = _mm256_mul_ps(d, _mm256_cvtepi32_ps(s1));
+  const __m256 b = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(s2));
+  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(dx), _mm256_sub_ps(a, b)));
+}
+
+inline __m256 q6k_step8(__m256 acc, float dx, __m256 d, __m256i s) {
+  const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(s));
+  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(dx), t));
+}
+
+// 8 fp16 values -> 8 floats.
+inline __m256 half8(const uint16_t* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
 }  // namespace kquant

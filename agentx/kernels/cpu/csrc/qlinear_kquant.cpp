@@ -70,26 +70,6 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* dx, 
   });
 }
 
-// 8 vectors of 8 int32 -> one vector whose lane c is the sum of v[c] (exact in any order).
-inline __m256i reduce8(const __m256i* v) {
-  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                          _mm256_permute2x128_si256(a, b, 0x31));
-}
-
-// Q4_K's 12 scale bytes -> sc and m as 8 bytes each (kquant::q4k_scales, 4 bytes at a time).
-inline void q4k_scale_bytes(const uint8_t* s, uint64_t* sc, uint64_t* m) {
-  uint32_t u[3];
-  std::memcpy(u, s, 12);
-  const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
-  const uint32_t sc_hi = (u[2] & four) | (((u[0] >> 6) & two) << 4);
-  const uint32_t m_hi = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
-  *sc = (u[0] & six) | (static_cast<uint64_t>(sc_hi) << 32);
-  *m = (u[1] & six) | (static_cast<uint64_t>(m_hi) << 32);
-}
-
 // The byte-shuffle control that copies 16-bit element j of each 128-bit lane across the lane.
 inline __m256i pick16(int j) {
   return _mm256_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
@@ -129,7 +109,7 @@ template <int R>
 inline void block_q4k(const uint8_t* blk, const int8_t* const* x, const int16_t* const* sums,
                       __m256i* s1, __m256i* s2) {
   uint64_t scb, mb;
-  q4k_scale_bytes(blk + 4, &scb, &mb);
+  kquant::q4k_scale_bytes(blk + 4, &scb, &mb);
   block_q4k_s1<R>(blk, widen8(scb), x, s1);
   // each min twice: once for each 16-feature sum of its 32-feature sub-block
   const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mb));
@@ -187,27 +167,6 @@ inline void block_q6k(const uint8_t* blk, const int8_t* const* x, const int16_t*
   }
 }
 
-// Software prefetch of a block's cache lines (the 8 columns of a group are 8 streams, more
-// than the hardware prefetcher follows well); never faults, even past the weight's end.
-inline void prefetch_block(const uint8_t* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes + 63; o += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
-  }
-}
-
-// S2 of 8 columns (lane c: column c) of one row: the 8 min bytes of column c (mb[c]) against
-// that row's 8 sums of 32 (x32, in both lanes), columns c and c + 4 in one madd.
-inline __m256i min_sums8(const uint64_t* mb, __m256i x32) {
-  __m256i v[4];
-  for (int c = 0; c < 4; ++c) {
-    const __m128i pair =
-        _mm_set_epi64x(static_cast<int64_t>(mb[c + 4]), static_cast<int64_t>(mb[c]));
-    v[c] = _mm256_madd_epi16(_mm256_cvtepu8_epi16(pair), x32);
-  }
-  // lane c of each half: [c c c c | c+4 ...] -> hadd twice -> [0 1 2 3 | 4 5 6 7]
-  return _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-}
-
 // 8 columns [n, n + 8) of R rows: the integer sums of the 8 columns are summed across lanes
 // together, then kquant.h's float steps run on 8 columns a vector (the same roundings a lane).
 template <int R>
@@ -218,37 +177,26 @@ void group_q4k(const uint8_t* w, int64_t row_bytes, int64_t n, const Rows& a, in
   const uint8_t* col = w + n * row_bytes;
   for (int64_t b = 0; b < a.blocks; ++b, col += kquant::kQ4KBytes) {
     const int8_t* x[R];
-    __m256i x32[R];
-    for (int r = 0; r < R; ++r) {
-      x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
-      const int16_t* sums = a.sums + ((r0 + r) * a.blocks + b) * 16;
-      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums));
-      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sums + 8));
-      const __m128i s16 = _mm_hadd_epi16(lo, hi);  // the 8 sums of 32
-      x32[r] = _mm256_broadcastsi128_si256(s16);  // |sum of 32| <= 32 * 127: exact in int16
-    }
+    for (int r = 0; r < R; ++r) x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
     __m256i s1[R][8];
     uint64_t mb[8];
-    alignas(16) uint16_t dh[8], mh[8];
+    uint16_t dh[8], mh[8];
     for (int c = 0; c < 8; ++c) {
       const uint8_t* blk = col + c * row_bytes;
-      prefetch_block(blk + 8 * row_bytes, kquant::kQ4KBytes);  // the next group's block
+      kquant::prefetch_block(blk + 8 * row_bytes, kquant::kQ4KBytes);  // the next group's block
       std::memcpy(&dh[c], blk, 2);
       std::memcpy(&mh[c], blk + 2, 2);
       uint64_t scb;
-      q4k_scale_bytes(blk + 4, &scb, &mb[c]);
+      kquant::q4k_scale_bytes(blk + 4, &scb, &mb[c]);
       __m256i v1[R];
       block_q4k_s1<R>(blk, widen8(scb), x, v1);
       for (int r = 0; r < R; ++r) s1[r][c] = v1[r];
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
-    const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
+    const __m256 d = kquant::half8(dh), dmin = kquant::half8(mh);
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_mul_ps(d, _mm256_cvtepi32_ps(reduce8(s1[r])));
-      const __m256 bv = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(min_sums8(mb, x32[r])));
-      const __m256 p = _mm256_mul_ps(_mm256_set1_ps(a.dx[(r0 + r) * a.blocks + b]),
-                                     _mm256_sub_ps(av, bv));
-      acc[r] = _mm256_add_ps(acc[r], p);
+      const int64_t rb = (r0 + r) * a.blocks + b;
+      const __m256i s2 = kquant::min_sums8(mb, kquant::sums32(a.sums + rb * 16));
+      acc[r] = kquant::q4k_step8(acc[r], a.dx[rb], d, dmin, kquant::reduce8(s1[r]), s2);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + n, acc[r]);
@@ -267,20 +215,18 @@ void group_q6k(const uint8_t* w, int64_t row_bytes, int64_t n, const Rows& a, in
       sums[r] = a.sums + ((r0 + r) * a.blocks + b) * 16;
     }
     __m256i s[R][8];
-    alignas(16) uint16_t dh[8];
+    uint16_t dh[8];
     for (int c = 0; c < 8; ++c) {
       const uint8_t* blk = w + (n + c) * row_bytes + b * kquant::kQ6KBytes;
-      prefetch_block(blk + 8 * row_bytes, kquant::kQ6KBytes);
+      kquant::prefetch_block(blk + 8 * row_bytes, kquant::kQ6KBytes);
       std::memcpy(&dh[c], blk + 208, 2);
       __m256i v[R];
       block_q6k<R>(blk, x, sums, v);
       for (int r = 0; r < R; ++r) s[r][c] = v[r];
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    const __m256 d = kquant::half8(dh);
     for (int r = 0; r < R; ++r) {
-      const __m256 t = _mm256_mul_ps(d, _mm256_cvtepi32_ps(reduce8(s[r])));
-      const __m256 p = _mm256_mul_ps(_mm256_set1_ps(a.dx[(r0 + r) * a.blocks + b]), t);
-      acc[r] = _mm256_add_ps(acc[r], p);
+      acc[r] = kquant::q6k_step8(acc[r], a.dx[(r0 + r) * a.blocks + b], d, kquant::reduce8(s[r]));
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + n, acc[r]);

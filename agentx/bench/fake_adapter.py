@@ -42,6 +42,7 @@ class FakeAdapter(EngineAdapter):
         self.max_live = 0
         self.record_prompts = record_prompts
         self.prompts: dict[str, list[int]] = {}  # request id -> prompt token ids
+        self.num_finished = 0
 
     async def start(self) -> EngineInfo:
         return EngineInfo("fake", "0", {"decode_s_per_token": self.decode_s_per_token})
@@ -68,6 +69,7 @@ class FakeAdapter(EngineAdapter):
                 await asyncio.sleep(self.decode_s_per_token)
                 yield Tokens(1)
             self.log.append(("done", request.request_id, request.session_id))
+            self.num_finished += 1
             n = len(prompt)
             ids = tuple(17 + (n * 31 + i) % 1000 for i in range(request.max_tokens))
             yield Done(request.max_tokens, cached, ids if request.return_ids else None)
@@ -76,6 +78,9 @@ class FakeAdapter(EngineAdapter):
 
     async def end_session(self, session_id: str) -> None:
         self.log.append(("end_session", session_id, session_id))
+
+    async def final_stats(self) -> dict | None:
+        return {"num_finished_requests": self.num_finished}
 
     async def close(self) -> None:
         self._cached.clear()

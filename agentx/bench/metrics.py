@@ -47,6 +47,9 @@ class RunMetrics:
     num_computed_prompt_tokens: int | None
     num_recomputed_tokens: int | None
     interrupted: bool
+    # drafted tokens the target model accepted / drafted (agentx's drafting from context; None
+    # when the engine reports no drafting counters)
+    draft_acceptance: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -97,7 +100,18 @@ def run_metrics(result: RunResult) -> RunMetrics:
         num_computed_prompt_tokens=reported_prompt - cached if reported else None,
         num_recomputed_tokens=recomputed,
         interrupted=result.interrupted,
+        draft_acceptance=draft_acceptance(result.engine_stats),
     )
+
+
+def draft_acceptance(stats: dict | None) -> float | None:
+    """Accepted / drafted tokens from an engine's final counters (a router's replicas summed)."""
+    if not stats:
+        return None
+    parts = stats.get("replicas", [stats])
+    drafted = sum(p.get("num_draft_tokens", 0) for p in parts)
+    accepted = sum(p.get("num_accepted_tokens", 0) for p in parts)
+    return accepted / drafted if drafted else None
 
 
 def tpgs_at_floor(runs: Sequence[RunMetrics], floor: float) -> float | None:

@@ -9,6 +9,9 @@ Driver -> worker, on stdin, one JSON object per line::
     {"op": "generate", "id": str, "session": str, "prompt": [int, ...], "max_tokens": int,
      "return_ids"?: bool}
     {"op": "end_session", "session": str}
+    {"op": "stats"}                              ask for the engine's own counters (agentx's
+                                                 worker; sent only to workers whose "ready"
+                                                 named engine "agentx")
     {"op": "shutdown"}
 
 Worker -> driver, on stdout, one JSON object per line (logs go to stderr)::
@@ -21,6 +24,7 @@ Worker -> driver, on stdout, one JSON object per line (logs go to stderr)::
                                                  engine's cache, when known; token_ids: the
                                                  output, when the op had "return_ids"
     {"ev": "error", "id": str | null, "message": str}
+    {"ev": "stats", "stats": {...} | null}       the answer to "stats"
 
 Prompts travel as token ids: the driver's adapter tokenizes text prompts with the tokenizer of
 the worker's model (:mod:`agentx.bench.worker_adapter`). Generation is greedy, ignores EOS and
@@ -68,6 +72,14 @@ def shutdown_op() -> bytes:
     return encode({"op": "shutdown"})
 
 
+def stats_op() -> bytes:
+    return encode({"op": "stats"})
+
+
+def stats_ev(stats: dict | None) -> bytes:
+    return encode({"ev": "stats", "stats": stats})
+
+
 def ready_ev(engine: str, version: str, config: dict) -> bytes:
     return encode({"ev": "ready", "engine": engine, "version": version, "config": config})
 
@@ -97,6 +109,7 @@ _REQUIRED = {
     "tokens": ("id", "n"),
     "done": ("id", "num_output", "num_cached"),
     "error": ("id", "message"),
+    "stats": (),
     "generate": ("id", "session", "prompt", "max_tokens"),
     "end_session": ("session",),
     "shutdown": (),

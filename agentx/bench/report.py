@@ -20,6 +20,7 @@ _COLUMNS = (
     ("hit achieved", "achieved_hit_rate", "{:.1%}"),
     ("hit theoretical", "theoretical_hit_rate", "{:.1%}"),
     ("recomputed tok", "num_recomputed_tokens", "{}"),
+    ("drafts accepted", "draft_acceptance", "{:.1%}"),
 )
 
 

@@ -124,6 +124,9 @@ class _Worker:
             if op["op"] == "end_session":
                 await self.engine.end_session(op["session"])
                 continue
+            if op["op"] == "stats":
+                self.send(protocol.stats_ev(await self.engine.final_stats()))
+                continue
             task = asyncio.create_task(self.generate(op))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)

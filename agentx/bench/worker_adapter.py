@@ -26,6 +26,9 @@ from agentx.bench.adapter import (
 from agentx.bench.segments import Encode, cached_encode, prompt_token_ids
 
 _STREAM_LIMIT = 1 << 24  # bytes per line; prompts are long JSON lists
+# workers that answer the "stats" op: agentx's own (agentx.bench.worker, either backend) and the
+# fake one; the peers' workers know only the fixed protocol
+_STATS_ENGINES = ("agentx", "agentx-vllm", "fake")
 
 
 class WorkerAdapter(EngineAdapter):
@@ -45,6 +48,8 @@ class WorkerAdapter(EngineAdapter):
         self._reader: asyncio.Task | None = None
         self._dead: str | None = None
         self._ready: asyncio.Future | None = None
+        self._engine = ""  # the engine the worker's "ready" named
+        self._stats: asyncio.Future | None = None
 
     async def start(self) -> EngineInfo:
         self._proc = await asyncio.create_subprocess_exec(
@@ -60,6 +65,7 @@ class WorkerAdapter(EngineAdapter):
             ready = await asyncio.wait_for(asyncio.shield(self._ready), self.start_timeout)
         except TimeoutError as exc:
             raise BenchEngineError(f"{self.name}: no 'ready' in {self.start_timeout:.0f}s") from exc
+        self._engine = ready["engine"]
         return EngineInfo(ready["engine"], ready["version"], ready["config"])
 
     async def _read(self) -> None:
@@ -79,6 +85,10 @@ class WorkerAdapter(EngineAdapter):
             if not self._ready.done():
                 self._ready.set_result(ev)
             return
+        if kind == "stats":
+            if self._stats is not None and not self._stats.done():
+                self._stats.set_result(ev["stats"])
+            return
         if kind == "error" and ev["id"] is None:
             print(f"[{self.name}] worker error: {ev['message']}", file=sys.stderr)
             return
@@ -88,6 +98,8 @@ class WorkerAdapter(EngineAdapter):
 
     def _fail_all(self) -> None:
         message = f"{self.name}: {self._dead}"
+        if self._stats is not None and not self._stats.done():
+            self._stats.set_result(None)
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(BenchEngineError(message))
         for queue in self._queues.values():
@@ -133,6 +145,20 @@ class WorkerAdapter(EngineAdapter):
     async def end_session(self, session_id: str) -> None:
         if self._dead is None:
             await self._send(protocol.end_session_op(session_id))
+
+    async def final_stats(self, timeout: float = 30.0) -> dict | None:
+        """The engine's own counters (agentx's include drafting), from workers that answer the
+        "stats" op (``_STATS_ENGINES``); None from the others or a dead worker."""
+        if self._engine not in _STATS_ENGINES or self._dead is not None:
+            return None
+        self._stats = asyncio.get_running_loop().create_future()
+        try:
+            await self._send(protocol.stats_op())
+            return await asyncio.wait_for(self._stats, timeout)
+        except (TimeoutError, BenchEngineError):
+            return None
+        finally:
+            self._stats = None
 
     async def close(self, timeout: float = 30.0) -> None:
         proc, self._proc = self._proc, None

@@ -1,11 +1,12 @@
 """Metrics math on hand-made timestamps; results JSON, Markdown and plots."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from agentx.bench.adapter import EngineInfo
-from agentx.bench.metrics import percentile, run_metrics, tpgs_at_floor
+from agentx.bench.metrics import draft_acceptance, percentile, run_metrics, tpgs_at_floor
 from agentx.bench.records import RequestRecord, RunResult
 from agentx.bench.report import markdown
 from agentx.bench.results import Results, make_header
@@ -73,6 +74,22 @@ def test_unreported_cache_and_devices():
     assert m.tpgs == 12 / 2.0 / 2
 
 
+def test_draft_acceptance_from_engine_counters():
+    assert draft_acceptance(None) is None
+    assert draft_acceptance({"num_draft_tokens": 0, "num_accepted_tokens": 0}) is None
+    assert draft_acceptance({"num_draft_tokens": 40, "num_accepted_tokens": 30}) == 0.75
+    replicas = {"replicas": [{"num_draft_tokens": 10, "num_accepted_tokens": 1}, {}]}
+    assert draft_acceptance(replicas) == 0.1
+    result = replace(
+        run([rec("a", 10, [1.0, 2.0])]),
+        engine_stats={"num_draft_tokens": 8, "num_accepted_tokens": 2},
+    )
+    m = run_metrics(result)
+    assert m.draft_acceptance == 0.25
+    header = make_header({"id": "t", "stats": {}}, {"floor": 1.0})
+    assert "| 25.0% |" in markdown(Results(header, (result,)), 1.0)
+
+
 def test_tpgs_at_floor():
     slow = run([rec("a", 100, [1.0, 2.0, 3.0])], concurrency=8, wall=4.0)  # 1 tok/s
     fast = run([rec("a", 10, [1.0, 1.1, 1.2])], concurrency=1, wall=2.0)  # 10 tok/s
@@ -101,7 +118,7 @@ def test_results_roundtrip_report_and_plots(tmp_path):
     assert again.runs == runs
     text = markdown(again, 1.0)
     assert (
-        "| agentx | 2 | 1 | 0 | 4.0 | 26 | 0.8 | 1.00 | 1.00 | 2.0 | 2.0 | 50.0% | 64.0% | 14 |"
+        "| agentx | 2 | 1 | 0 | 4.0 | 26 | 0.8 | 1.00 | 1.00 | 2.0 | 2.0 | 50.0% | 64.0% | 14 | - |"
         in text
     )
     assert "- peer: c=2: 0.50x" in text

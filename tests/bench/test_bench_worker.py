@@ -27,6 +27,8 @@ def test_protocol_lines():
         "n": 2,
     }
     assert protocol.decode(protocol.shutdown_op(), "op") == {"op": "shutdown"}
+    assert protocol.decode(protocol.stats_op(), "op") == {"op": "stats"}
+    assert protocol.decode(protocol.stats_ev({"n": 1}), "ev") == {"ev": "stats", "stats": {"n": 1}}
     with pytest.raises(protocol.ProtocolError, match="lacks \\['n'\\]"):
         protocol.decode(b'{"ev":"tokens","id":"r1"}', "ev")
     with pytest.raises(protocol.ProtocolError, match="unknown ev"):
@@ -53,8 +55,11 @@ def test_worker_adapter_on_the_fake_worker():
         again = await collect(engine, "c", prompt + [7], 1)
         assert again == [Tokens(1), Done(1, 32)]  # two 16-token blocks were cached
         await engine.end_session("s")
+        # the "stats" op: the worker's engine counters (agentx's carry its drafting counters)
+        assert await engine.final_stats() == {"num_finished_requests": 3}
         await engine.close()
         await engine.close()  # idempotent
+        assert await engine.final_stats() is None
         with pytest.raises(BenchEngineError):
             await collect(engine, "d", prompt, 1)
 

@@ -112,7 +112,8 @@ class Tokenizer:
         without encoding it: no token stands for more characters than its vocabulary piece has
         (byte-level pieces spell one character per byte); the factor 2 leaves room for
         normalizers that compose characters. What refuses a huge text at once."""
-        if self._max_piece_chars == 0:
+        # getattr: a tokenizer unpickled from a loader cache an older agentx wrote lacks it
+        if getattr(self, "_max_piece_chars", 0) == 0:
             vocab = self._backend.get_vocab(with_added_tokens=True)
             self._max_piece_chars = max((len(piece) for piece in vocab), default=1)
         return num_chars // (2 * self._max_piece_chars)

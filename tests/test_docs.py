@@ -61,3 +61,20 @@ def test_benchmarks_holds_current_results_only() -> None:
     lines = (ROOT / "docs" / "BENCHMARKS.md").read_text().splitlines()
     assert len(lines) <= MAX_BENCHMARKS_LINES, f"docs/BENCHMARKS.md has {len(lines)} lines"
     assert any(line.startswith("## History") for line in lines)
+
+
+def test_reliability_names_tests_that_exist() -> None:
+    """Every ``file::test`` docs/RELIABILITY.md cites is a test function of that file, and
+    every file it lists as a sweep exists."""
+    text = (ROOT / "docs" / "RELIABILITY.md").read_text()
+    cited = re.findall(r"`([\w/]+\.py)::(\w+)`", text)
+    assert len(cited) > 30
+    missing = []
+    for path, name in cited:
+        source = ROOT / "tests" / path
+        pattern = rf"^(async )?def {name}\(|^{name} = "
+        if not source.exists() or not re.search(pattern, source.read_text(), flags=re.M):
+            missing.append(f"{path}::{name}")
+    sweeps = re.findall(r"^\| `([\w/]+\.py)`", text, flags=re.M)
+    missing += [path for path in sweeps if not (ROOT / "tests" / path).exists()]
+    assert not missing, f"docs/RELIABILITY.md cites what does not exist: {missing}"

@@ -416,7 +416,7 @@ class EngineCore:
         )
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        self.scheduler.check_integrity(self.offload.get_referenced_blocks())
         self.offload.check_integrity()
         assert set(self._texts) == set(self.scheduler.requests), "text state drifted"
         rows = self.runner.get_request_ids()

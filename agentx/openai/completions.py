@@ -29,7 +29,6 @@ from typing import Any
 
 from agentx.engine.backend import EngineBackend
 from agentx.engine.request import RequestOptions
-from agentx.engine.sampling import SamplingParams
 from agentx.engine.streams import RequestStream
 from agentx.errors import InvalidRequestError
 from agentx.openai.requests import (
@@ -38,7 +37,13 @@ from agentx.openai.requests import (
     parse_sampling,
     parse_tenant,
 )
-from agentx.openai.service import ChatService, ChunkStream, cache_salt, prepare_off_loop
+from agentx.openai.service import (
+    ChatService,
+    ChunkStream,
+    cache_salt,
+    choice_sampling,
+    prepare_off_loop,
+)
 from agentx.openai.timing import RequestClock
 
 __all__ = ["CompletionService", "fim_tokens"]
@@ -156,7 +161,7 @@ class CompletionService:
                 budget = max(1, min(max_tokens, engine.max_model_len - len(ids)))
                 call.num_prompt_tokens += len(ids)
                 for k in range(n):
-                    seeded = _seeded(replace(sampling, max_tokens=budget), k)
+                    seeded = choice_sampling(replace(sampling, max_tokens=budget), k)
                     options = RequestOptions(cache_salt=salt)
                     stream = engine.add_request(ids, seeded, options=options)
                     call.choices.append(_Choice(p * n + k, text, stream))
@@ -271,12 +276,6 @@ def _prompts(body: Mapping) -> list[str | list[int]]:
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _seeded(sampling: SamplingParams, index: int) -> SamplingParams:
-    if index == 0 or sampling.seed is None:
-        return sampling
-    return replace(sampling, seed=sampling.seed + index)
 
 
 def _finish_reason(stream: RequestStream) -> str:

@@ -65,7 +65,7 @@ from agentx.session.default import get_default_engine
 from agentx.session.tool_calls import ToolCallParser
 from agentx.session.tool_formats import ToolCallFormat, format_for_tokenizer
 
-__all__ = ["ChatService", "ChunkStream"]
+__all__ = ["ChatService", "ChunkStream", "choice_sampling"]
 
 T = TypeVar("T")
 
@@ -111,7 +111,6 @@ class ChatService:
     ) -> None:
         self._engine = engine
         self._tokenizer: Tokenizer | None = None
-        self._max_token_chars = 0
         self.chat_template = chat_template
         self.on_finished = on_finished
         self.model_name = model_name
@@ -145,19 +144,14 @@ class ChatService:
                 tokenizer.get_compiled_chat_template()  # a template that does not parse fails now
             fmt = format_for_tokenizer(tokenizer)
             self._parser = ToolCallParser(self._parser.id_factory, tool_format=fmt)
-            vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-            self._max_token_chars = max((len(piece) for piece in vocab), default=1)
+            tokenizer.min_num_tokens(0)  # finds the longest piece once, here
             self._tokenizer = tokenizer
         return self._tokenizer
 
     def check_text_fits(self, engine: EngineBackend, num_chars: int) -> None:
-        """Refuse text that needs more tokens than the context holds, before tokenizing it.
-
-        No token stands for more characters than its vocabulary piece has (byte-level pieces
-        are one character per byte); the factor 2 leaves room for normalizers that compose
-        characters."""
-        self.get_tokenizer(engine)
-        min_tokens = num_chars // (2 * self._max_token_chars)
+        """Refuse text that needs more tokens than the context holds, before tokenizing it
+        (``Tokenizer.min_num_tokens``)."""
+        min_tokens = self.get_tokenizer(engine).min_num_tokens(num_chars)
         if min_tokens > engine.max_model_len:
             raise PromptTooLongError(
                 f"the prompt has {num_chars} characters, at least {min_tokens} tokens: more "
@@ -303,7 +297,7 @@ class ChatService:
                     held_kv=handles[index] if index < len(handles) else None,
                     cache_salt=salt,
                 )
-                seeded = _choice_sampling(sampling, index)
+                seeded = choice_sampling(sampling, index)
                 call.streams.append(engine.add_request(prompt, seeded, options=options))
         except BaseException:
             self._end(call)
@@ -403,7 +397,7 @@ def _constraint(request: ChatRequest, fmt: ToolCallFormat) -> TurnConstraint | N
     return make_turn_constraint(tools, choice, None, parallel_calls=parallel, tool_format=fmt)
 
 
-def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s sampling: a given seed is offset so choices differ, reproducibly."""
     if index == 0 or sampling.seed is None:
         return sampling

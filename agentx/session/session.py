@@ -437,6 +437,21 @@ class Session:
             ToolMessage(tool_call_id=call_id, content=content, is_error=is_error, name=call.name)
         )
 
+    def _check_text_fits(self, num_chars: int) -> None:
+        """PromptTooLongError when any text of ``num_chars`` characters added to the context
+        overflows it: known without tokenizing (``Tokenizer.min_num_tokens``), so a huge
+        message is refused at once."""
+        engine = self.engine
+        max_len = getattr(engine, "max_model_len", None)
+        if max_len is None:
+            return
+        num = len(self._ensure_context().token_ids) + engine.tokenizer.min_num_tokens(num_chars)
+        if num >= max_len:
+            raise PromptTooLongError(
+                f"the new messages have {num_chars} characters: the prompt would be at least "
+                f"{num} tokens; the model context is {max_len}"
+            )
+
     def _check_room(self, texts: list[str]) -> None:
         """PromptTooLongError if ``texts`` added to the context leave no room to generate (a
         lower bound of the next prompt: the template adds a few tokens more)."""
@@ -444,9 +459,13 @@ class Session:
         max_len = getattr(engine, "max_model_len", None)
         if max_len is None:
             return
-        num = len(self._ensure_context().token_ids)
-        for text in texts:
-            num += len(engine.tokenizer.encode(text))
+        tokenizer = engine.tokenizer
+        num_context = len(self._ensure_context().token_ids)
+        # a bound known without tokenizing first: a 10 MB result is refused at once, not
+        # after seconds of tokenizing on the caller's event loop
+        num = num_context + tokenizer.min_num_tokens(sum(len(t) for t in texts))
+        if num < max_len:
+            num = num_context + sum(len(tokenizer.encode(t)) for t in texts)
         if num >= max_len:
             raise PromptTooLongError(
                 f"the tool result would make the next prompt at least {num} tokens; the model "

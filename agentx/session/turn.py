@@ -21,6 +21,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+import anyio
+
 from agentx.engine.streams import RequestStream
 from agentx.session.constraints import TurnConstraint
 from agentx.session.events import TextDelta, ToolCallEvent, TurnDone, TurnEvent
@@ -29,6 +31,10 @@ from agentx.session.tool_calls import ToolCallParser, ToolCallStreamFilter
 
 if TYPE_CHECKING:
     from agentx.session.session import Session
+
+# new text of more characters than this is rendered and tokenized in a worker thread (a 5 MB
+# message takes seconds): the caller's event loop keeps running meanwhile
+_OFF_LOOP_CHARS = 64 << 10
 
 
 class Turn:
@@ -61,7 +67,12 @@ class Turn:
         session = self._session
         context = session._begin_turn()
         try:
-            prompt = context.prompt_for(self._new_messages)
+            num_chars = sum(len(m.get("content") or "") for m in self._new_messages)
+            session._check_text_fits(num_chars)
+            if num_chars > _OFF_LOOP_CHARS:
+                prompt = await anyio.to_thread.run_sync(context.prompt_for, self._new_messages)
+            else:
+                prompt = context.prompt_for(self._new_messages)
             if self._prefill:  # the assistant's reply starts with this text, as if generated
                 self._prefill_ids = session.engine.tokenizer.encode(self._prefill)
                 prompt += self._prefill_ids

@@ -348,3 +348,32 @@ def test_a_dead_replica_gets_no_work_and_its_sessions_move(tmp_path):
             router.replicas[1].add_request("crash it").result(timeout=120)
         with pytest.raises(EngineDeadError, match="every replica"):
             router.route("def f(x):", short, session_id="last")
+
+
+@pytest.mark.slow
+def test_a_session_off_a_dead_replica_without_a_shared_tier_is_recomputed():
+    """No tier to load from: the moved turn computes its whole prompt on the live replica and
+    gets the tokens a cold run gets; its held KV died with its home."""
+    config = EngineConfig(cache=CacheConfig(num_blocks=64), parallel=ParallelConfig(dp=2))
+    with ReplicaRouter(config) as router:
+        a = router.tokenizer.encode("The history of the Roman Empire " * 30)[:180]
+        home, stream = router.route(a, GREEDY, session_id="s", hold_kv=True)
+        gen = stream.result(timeout=300)
+        assert home == 0
+
+        def boom():
+            raise RuntimeError("injected fault")
+
+        router.replicas[0].core.step = boom
+        with pytest.raises(EngineDeadError):
+            router.replicas[0].add_request("crash it").result(timeout=120)
+
+        turn2 = a + gen.token_ids + [13, 42]
+        moved, stream = router.route(turn2, GREEDY, session_id="s", held_kv=stream.request_id)
+        out = stream.result(timeout=300)
+        assert moved == 1 and out.usage.cached_tokens == 0  # nothing to load: recomputed
+        cold = router.replicas[1].add_request(turn2, GREEDY, cache_salt="cold")
+        assert out.token_ids == cold.result(timeout=300).token_ids
+        assert router.get_stats().num_moved_sessions == 1
+        router.check_integrity()
+        assert router.replicas[1].stats().kv_num_held == 0

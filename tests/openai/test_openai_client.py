@@ -273,3 +273,47 @@ async def test_a_run_time_failure_is_a_500_not_a_stop(engine, client, monkeypatc
         )
     assert info.value.status_code == 500 and info.value.code == "request_failed"
     assert len(client.service.conversations) == 0
+
+
+async def test_a_run_time_failure_is_an_error_streamed_and_in_responses(
+    engine, client, monkeypatch
+):
+    """A stream that started before the failure ends with an error event, which the client
+    raises (never a chunk with finish_reason "stop"); the Responses API fails alike."""
+    from agentx.engine.structured import GrammarMatcher
+
+    commit = GrammarMatcher.commit
+
+    def failing(self, token_id):
+        token_id = commit(self, token_id)
+        self.failed = True
+        return token_id
+
+    monkeypatch.setattr(GrammarMatcher, "commit", failing)
+    stream = await client.chat.completions.create(
+        messages=USER, response_format=PERSON_FORMAT, max_tokens=16, stream=True, **GREEDY
+    )
+    reasons = []
+    with pytest.raises(openai.APIError, match="failed while it ran"):
+        async for chunk in stream:
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+    assert reasons == []
+    schema = PERSON_FORMAT["json_schema"]["schema"]
+    text = {"format": {"type": "json_schema", "name": "person", "schema": schema}}
+    ask = {"model": "agentx", "input": "Name a person.", "text": text, "max_output_tokens": 16}
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.responses.create(**ask)
+    assert info.value.code == "request_failed"
+    with pytest.raises(openai.APIError, match="failed while it ran"):
+        async for _ in await client.responses.create(**ask, stream=True):
+            pass
+    assert len(client.service.conversations) == 0
+
+
+async def test_completion_choices_of_the_largest_seed(client):
+    """n choices offset the seed; from 2**63 - 1 it wraps (was: a 400 for a valid seed)."""
+    reply = await client.completions.create(
+        model="agentx", prompt="Once upon a time", n=2, seed=2**63 - 1, max_tokens=3
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert {c.finish_reason for c in reply.choices} <= {"stop", "length"}

@@ -6,6 +6,7 @@ import json
 import anyio
 import pytest
 
+from agentx.engine.sampling import MAX_SEED, SamplingParams
 from agentx.errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -18,7 +19,7 @@ from agentx.openai.conversations import ConversationCache, HeldConversation
 from agentx.openai.errors import to_api_error
 from agentx.openai.requests import assistant_key, parse_chat_request
 from agentx.openai.responses import ChoiceText
-from agentx.openai.service import ChatService
+from agentx.openai.service import ChatService, cache_salt, choice_sampling
 from agentx.session.messages import ToolCall
 from agentx.session.tool_calls import ToolCallParser
 
@@ -252,3 +253,29 @@ def test_choice_text_without_calls_shows_everything():
     choice = ChoiceText(False)
     assert choice.push('{"a": "<tool_call>"}') == ('{"a": "<tool_call>"}', [])
     assert choice.finish() == ("", [])
+
+
+def test_choice_seeds_stay_in_range():
+    """``n`` choices offset the seed by their index: the largest seed wraps to 0 (was: choice
+    1 of seed 2**63 - 1 asked for seed 2**63, a 400 for a valid request)."""
+    top = SamplingParams(seed=MAX_SEED)
+    assert choice_sampling(top, 0) is top
+    assert [choice_sampling(top, k).seed for k in (1, 2)] == [0, 1]
+    assert choice_sampling(SamplingParams(seed=5), 2).seed == 7
+    assert choice_sampling(SamplingParams(), 3).seed is None  # unseeded choices stay unseeded
+
+
+def test_the_tenant_is_the_prompt_cache_key_else_the_user():
+    assert parse_chat_request(body(user="u")).tenant == "user:u"
+    keyed = parse_chat_request(body(user="u", prompt_cache_key="k"))
+    assert keyed.tenant == "prompt_cache_key:k"
+    assert (
+        parse_chat_request(body()).tenant is None
+        and parse_chat_request(body(user="")).tenant is None
+    )
+    with pytest.raises(InvalidRequestError, match="user must be a string"):
+        parse_chat_request(body(user=7))
+    # an API key's tenant and the body's name one salt together; no tenant is the shared cache
+    assert cache_salt("key:ab", "user:u") == "key:ab\x1fuser:u"
+    assert cache_salt("key:ab", "user:u") != cache_salt("key:cd", "user:u")
+    assert cache_salt(None, None) is None

@@ -294,6 +294,26 @@ async def test_tenants_never_share_cached_prefixes(server):  # issue 36.5
         await b.close()
 
 
+async def test_a_tenant_cannot_continue_another_tenants_conversation(server):  # issue 36.5
+    """Tenant b re-sends tenant a's whole conversation (a's reply included): a's held KV is
+    not b's to continue, nor is any block of it."""
+    system = "You are a careful assistant for the ZETA billing team. " * 8  # sent here only
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi."}]
+    a, b = make_client(server, KEYS[0]), make_client(server, KEYS[1])
+    try:
+        first = await a.chat.completions.create(messages=messages, max_tokens=4, **GREEDY)
+        reply = {"role": "assistant", "content": first.choices[0].message.content}
+        history = [*messages, reply, {"role": "user", "content": "Thanks."}]
+        theirs = await b.chat.completions.create(messages=history, max_tokens=4, **GREEDY)
+        ours = await a.chat.completions.create(messages=history, max_tokens=4, **GREEDY)
+        assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+        assert ours.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        assert theirs.choices[0].message.content == ours.choices[0].message.content
+    finally:
+        await a.close()
+        await b.close()
+
+
 # ---- the server itself -----------------------------------------------------------------------
 
 
@@ -348,9 +368,14 @@ async def test_a_huge_request_does_not_freeze_the_server(server):  # issue 36.3
         await asyncio.sleep(0.1)
         url = server.base_url + "/chat/completions"
         reply = await http.post(url, json={"messages": big, **GREEDY}, headers=headers())
+        many = [{"role": "user", "content": f"note {i}"} for i in range(150_000)]
+        body = {"messages": many, **GREEDY}  # 150K small messages
+        replies = [reply, await http.post(url, json=body, headers=headers())]
         done.set()
         await tick
-    assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+    for reply in replies:
+        assert reply.status_code == 400
+        assert reply.json()["error"]["code"] == "context_length_exceeded"
     assert len(gaps) >= 3 and max(gaps) < 0.5
 
 

@@ -261,3 +261,48 @@ async def test_join_refuses_a_session_that_is_not_its_child(default_engine):
             assert child.closed and grandchild.closed
     stats = wait_idle(default_engine)
     assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+
+
+async def test_a_huge_tool_result_is_refused_at_once(default_engine):  # issue 36.3
+    async with Session(default_engine, sampling=SHORT) as s:
+        await s.send("Hi.")
+        call_id = open_call(s)
+        started = time.perf_counter()
+        with pytest.raises(PromptTooLongError, match="call stays open"):
+            s.add_tool_result(call_id, "lorem ipsum dolor sit amet " * 400_000)  # 10.8 MB
+        assert time.perf_counter() - started < 0.5  # was: seconds of tokenizing first
+        assert call_id in s._open_calls and s._pending == []
+
+
+async def test_a_huge_message_leaves_the_event_loop_running(default_engine):  # issue 36.3
+    """A message too long for any tokenization is refused before tokenizing; one that could
+    fit is rendered and tokenized in a worker thread while a ticker keeps ticking."""
+    tokenizer = default_engine.tokenizer
+    longest = max(len(p) for p in tokenizer.backend.get_vocab(with_added_tokens=True))
+    # the longest text the character bound lets through: it is tokenized, then refused
+    fits_bound = "lorem ipsum dolor sit amet " * (longest * default_engine.max_model_len // 14)
+    gaps, done = [], anyio.Event()
+
+    async def ticker():
+        last = time.perf_counter()
+        while not done.is_set():
+            await anyio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(ticker)
+        async with Session(default_engine, sampling=SHORT) as s:
+            started = time.perf_counter()
+            with pytest.raises(PromptTooLongError, match="characters"):
+                await s.send("lorem ipsum dolor sit amet " * 200_000)  # 5.4 MB
+            assert time.perf_counter() - started < 0.5
+            with pytest.raises(PromptTooLongError):
+                await s.send(fits_bound)
+            assert s.messages == [] and s._turn is None  # rolled back
+            reply = await s.send("Name a color.")  # usable again
+            assert reply.finish_reason in ("stop", "length")
+        done.set()
+    assert len(gaps) > 10 and max(gaps) < 0.2
+    assert wait_idle(default_engine).kv_num_held == 0

@@ -19,7 +19,7 @@ validates it before anything here applies it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from agentx.engine.block_hash import BlockHash
@@ -365,12 +365,16 @@ class KVCacheManager:
     def get_max_num_blocks(self, max_model_len: int) -> int:
         return self.coordinator.get_max_num_blocks(max_model_len)
 
-    def check_integrity(self) -> None:
-        """Pool invariants, plus: each held block's ref count equals the number of holders."""
+    def check_integrity(self, other_refs: Iterable[KVBlock] = ()) -> None:
+        """Pool invariants, plus: each block's ref count equals the number of its holders
+        (requests, held KV, and ``other_refs``: references taken outside both, once each, such
+        as an offload load in flight)."""
         self.pool.check_integrity()
         self.coordinator.check_integrity()
         self.held.check_integrity()
         holders: dict[int, int] = {}
+        for block in other_refs:
+            holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for m in self.coordinator.managers:
             for blocks in m.req_to_blocks.values():
                 for block in blocks:

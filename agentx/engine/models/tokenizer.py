@@ -68,6 +68,7 @@ class Tokenizer:
         # from EngineConfig.tool_call_format; None: detected from the chat template
         self.tool_call_format: str | None = None
         self._extra_eos_token_ids = tuple(sorted(set(extra_eos_token_ids)))
+        self._max_piece_chars = 0  # the longest vocabulary piece, found on first use
         eos = {eos_token_id} if eos_token_id is not None else set()
         self.eos_token_ids = frozenset(
             eos | set(self._extra_eos_token_ids) | _chat_end_ids(backend, chat_template)
@@ -105,6 +106,17 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids
+
+    def min_num_tokens(self, num_chars: int) -> int:
+        """A lower bound of the tokens any text of ``num_chars`` characters encodes to, known
+        without encoding it: no token stands for more characters than its vocabulary piece has
+        (byte-level pieces spell one character per byte); the factor 2 leaves room for
+        normalizers that compose characters. What refuses a huge text at once."""
+        # getattr: a tokenizer unpickled from a loader cache an older agentx wrote lacks it
+        if getattr(self, "_max_piece_chars", 0) == 0:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._max_piece_chars = max((len(piece) for piece in vocab), default=1)
+        return num_chars // (2 * self._max_piece_chars)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from agentx.engine.block_hash import BlockHash
+from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.request import Request
 
 
@@ -93,6 +94,11 @@ class Offload(ABC):
         """``EngineStats`` fields (``offload_*``)."""
 
     @abstractmethod
+    def get_referenced_blocks(self) -> list[KVBlock]:
+        """Device blocks the transfers in flight reference (a load's hit prefix and the blocks
+        its pages land in), once per reference: no request or held KV owns them yet."""
+
+    @abstractmethod
     def check_integrity(self) -> None: ...
 
     @abstractmethod
@@ -137,6 +143,9 @@ class NullOffload(Offload):
 
     def get_stats(self) -> dict[str, int]:
         return {}
+
+    def get_referenced_blocks(self) -> list[KVBlock]:
+        return []
 
     def check_integrity(self) -> None:
         pass

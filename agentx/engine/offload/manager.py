@@ -383,6 +383,9 @@ class OffloadManager(Offload):
             "offload_num_prefetches": c.num_prefetches,
         }
 
+    def get_referenced_blocks(self) -> list[KVBlock]:
+        return [b for load in self.loads.values() for b in (*load.device_blocks, *load.blocks)]
+
     def check_integrity(self) -> None:
         self.store.check_integrity()
         for load in self.loads.values():

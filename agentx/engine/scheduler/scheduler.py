@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from agentx.config import SchedulerConfig
-from agentx.engine.kv_cache import KVCacheBlocks, KVCacheManager
+from agentx.engine.kv_cache import KVBlock, KVCacheBlocks, KVCacheManager
 from agentx.engine.outputs import (
     ModelRunnerOutput,
     RequestOutput,
@@ -516,8 +516,9 @@ class Scheduler:
         reported in a SchedulerOutput."""
         return self._known_to_runner | self._finished_ids
 
-    def check_integrity(self) -> None:
-        self.kv.check_integrity()
+    def check_integrity(self, other_refs: Iterable[KVBlock] = ()) -> None:
+        """``other_refs``: blocks referenced outside requests and held KV (loads in flight)."""
+        self.kv.check_integrity(other_refs)
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
         assert not running_ids & waiting_ids, "a request is both running and waiting"

@@ -3,7 +3,8 @@ decode, are held, forked, continued, released and freed in any order, under a po
 enough that held KV is reclaimed (evicted) to make room; ``check_integrity()`` holds after
 every step, and nothing is left used once every request is freed and every handle released.
 
-Deterministic (``derandomize``) and bounded (a few hundred short runs, well under 20 s)."""
+Deterministic (``derandomize``): 100 runs of up to 30 steps, a few seconds. The offload tiers
+join in ``tests/engine/offload/test_offload_stateful.py``."""
 
 import itertools
 

@@ -229,3 +229,29 @@ def test_a_hinted_turn_is_demoted_first_and_prefetched_into_the_device_cache(pro
         assert not engine.core.scheduler.parked
         assert gen.token_ids == cold_tokens(prompts, again)
         assert_clean(engine)
+
+
+def test_check_integrity_holds_while_a_load_is_in_flight(prompts):
+    """A load references its device blocks before any request or held KV owns them: the
+    check counts those references (was: "ref_cnt 1, held by 0 requests" mid-load)."""
+    from agentx.engine.core import EngineCore
+
+    _, a, b = prompts
+    core = EngineCore(EngineConfig(cache=POOL, offload=OffloadConfig(host_bytes=64 * PAGE_BYTES)))
+    try:
+        tokens: dict[str, list[int]] = {}
+        for rid, token_ids in (("a", a), ("b", b), ("again", a + [13, 42])):
+            core.add_request(core.make_request(rid, token_ids, GREEDY))
+            if rid == "again":
+                assert core.scheduler.parked and core.offload.loads  # its prefix loads
+                assert core.offload.get_referenced_blocks()
+                core.check_integrity()
+            while core.has_unfinished_requests():
+                for out in core.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                core.check_integrity()
+        assert tokens["again"] == cold_tokens(prompts, a + [13, 42])
+        assert core.offload.get_referenced_blocks() == []
+        assert core.kv.get_num_used_blocks() == 0
+    finally:
+        core.close()

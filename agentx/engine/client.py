@@ -96,8 +96,9 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
     def export_held(self, handle: str, include_tail: bool = False) -> KVExport | None:
         """Name held KV's prefix in the shared offload tiers (waits for its stores), for
         ``import_held`` on another engine with the same model; None without offload.
-        ``include_tail``: the partial last block goes too, so the importer resumes at the
-        exact token this engine stopped at (a P/D hand-over); else full blocks only."""
+        ``include_tail``: the partial last block (and a hybrid's linear states) goes too,
+        so the importer resumes at the exact token this engine stopped at (a P/D hand-over);
+        else full blocks only."""
         self._check_alive()
         with self._step_lock:
             return self.core.export_held(handle, include_tail)

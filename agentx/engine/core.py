@@ -268,7 +268,7 @@ class EngineCore:
 
     def export_held(self, handle: str, include_tail: bool = False) -> KVExport | None:
         """Held KV's prefix as another engine sharing a tier can import it (``include_tail``:
-        its partial last block too)."""
+        all of it, each group's last page too)."""
         return self.offload.export(handle, include_tail)
 
     def import_held(self, export: KVExport, handle: str) -> int:
@@ -410,6 +410,7 @@ class EngineCore:
             kv_usage=kv.get_usage(),
             kv_num_held=len(kv.held),
             kv_policy_errors=kv.policy.num_errors,
+            kv_dropped_checkpoints=kv.stats.num_dropped_checkpoints,
             **self.offload.get_stats(),
             num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens,

@@ -161,6 +161,8 @@ class EngineStats:
     kv_usage: float
     kv_num_held: int  # finished turns whose KV is held for the next turn (kv_cache/held.py)
     kv_policy_errors: int = 0  # KV policy answers refused (kv_cache/policy_guard.py)
+    # linear-state checkpoints retention planned but a step left out: the pool had no room
+    kv_dropped_checkpoints: int = 0
     offload_loaded_blocks: int = 0  # blocks loaded from a lower tier instead of recomputed
     offload_stored_blocks: int = 0  # blocks written down to the tiers
     offload_failed_blocks: int = 0  # loads that failed (recomputed instead)

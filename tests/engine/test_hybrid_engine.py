@@ -114,3 +114,24 @@ def test_held_forks_continue_their_own_linear_state(engines):
         assert gen.token_ids == run(cold, child).token_ids
     assert engine.release_held(stream.request_id)
     engine.check_integrity()
+
+
+def test_a_pool_too_small_for_interval_checkpoints_serves_the_request(hf_and_folder, engines):
+    """180 + 8 tokens need 6 full blocks and 2 pages per linear group: 10, the whole pool.
+    Interval retention plans a checkpoint every 32 tokens, 5 per linear group in the prefill:
+    the engine leaves them out instead of waiting for room that never comes (it used to)."""
+    _, folder = hf_and_folder
+    prompt = random_tokens(180, seed=31)
+    expected = run(engines("cold"), prompt).token_ids
+    cache = CacheConfig(
+        block_size=16,
+        num_blocks=11,
+        retention_policy="interval",
+        prefix_cache_retention_interval=32,
+    )
+    with Engine(EngineConfig(model=str(folder), cache=cache)) as engine:
+        assert run(engine, prompt).token_ids == expected  # a timeout, not a hang, if it waits
+        engine.check_integrity()
+        stats = engine.stats()
+        assert stats.kv_dropped_checkpoints == 2 * 5
+        assert (stats.kv_num_used_blocks, stats.num_preemptions) == (0, 0)

@@ -42,6 +42,9 @@ class TierHit:
     num_blocks: int
     device_blocks: list[KVBlock]
     keys: list[BlockHash]
+    # an exact hit (``plan_exact_hit``): the groups whose last entry is a tail page of its
+    # own, in order; the last ``len(tail_groups)`` keys are those pages' keys
+    tail_groups: tuple[int, ...] = ()
 
 
 class KVCacheCoordinator:
@@ -104,11 +107,78 @@ class KVCacheCoordinator:
             return TierHit(num_blocks, reused, load)
         return TierHit(0, [], [])
 
+    def plan_exact_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        tail_key: BlockHash,
+        in_tiers: Callable[[list[BlockHash]], list[bool]],
+        num_free: int | None = None,
+        use_device: bool = True,
+    ) -> TierHit | None:
+        """A hit of exactly ``num_tokens`` tokens (``block_hashes``: its full blocks), as a
+        hand-over resumes: in every group the full blocks its next token reads and, where the
+        group ends in a page of its own, that page, stored under the group's key of
+        ``tail_key``. None when the device and the tiers lack any of it or its fresh blocks
+        exceed ``num_free``. No side effects::
+
+            entries      0    1    2    3    [tail]      num_tokens = 4 blocks + 3 tokens
+            full         dev  tier tier tier  tail
+            sliding      -    -    -    tier  tail       the next token's window only
+            linear       -    -    -    -     tail       its running state after 19 tokens
+        """
+        needed, tails = self._get_exact_entries(num_tokens)
+        keys = [self.managers[g].key(block_hashes[i]) for i, g in needed]
+        device = [self.pool.get_cached_block(k) if use_device else None for k in keys]
+        load = [k for k, b in zip(keys, device, strict=True) if b is None]
+        load += [self.managers[g].key(tail_key) for g in tails]
+        if not all(in_tiers(load)):
+            return None
+        reused = [b for b in device if b is not None]
+        if num_free is not None and len(load) + _num_revived(reused) > num_free:
+            return None
+        return TierHit(num_tokens // self.block_size, reused, load, tails)
+
+    def take_exact_hit(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int, tails: list[KVBlock]
+    ) -> GroupBlocks | None:
+        """The held blocks of an exact hit whose pages are on the device now: its full blocks
+        from the device cache (referenced here), ``tails`` (their references move in) as the
+        last entry of ``plan_exact_hit``'s tail groups. None, touching nothing, when a full
+        block is not cached."""
+        needed, tails_of = self._get_exact_entries(num_tokens)
+        found = [self.managers[g].get_cached(block_hashes[i]) for i, g in needed]
+        if any(b is None for b in found) or len(tails) != len(tails_of):
+            return None
+        num_entries = -(-num_tokens // self.block_size)
+        groups = tuple([self.pool.null_block] * num_entries for _ in self.managers)
+        for (i, g), block in zip(needed, found, strict=True):
+            groups[g][i] = block
+        self.pool.touch(found)
+        for g, block in zip(tails_of, tails, strict=True):
+            groups[g][-1] = block
+        return groups
+
+    def get_tail_blocks(self, groups: GroupBlocks, num_tokens: int) -> list[tuple[int, KVBlock]]:
+        """(group, block) of the tail pages an exact hit of ``groups`` (KV of ``num_tokens``
+        tokens, as held) needs besides its full blocks: each such group's last entry."""
+        return [(g, groups[g][-1]) for g in self._get_exact_entries(num_tokens)[1]]
+
+    def _get_exact_entries(self, num_tokens: int) -> tuple[list[tuple[int, int]], tuple[int, ...]]:
+        """(entry, group) of the full blocks an exact hit reads, entry order; its tail groups."""
+        entries = [m.get_exact_hit_entries(num_tokens) for m in self.managers]
+        needed = sorted((i, g) for g, (full, _) in enumerate(entries) for i in full)
+        return needed, tuple(g for g, (_, tail) in enumerate(entries) if tail)
+
     def get_num_blocks_to_allocate(
-        self, request: Request, num_tokens: int, new_computed: GroupBlocks
+        self,
+        request: Request,
+        num_tokens: int,
+        new_computed: GroupBlocks,
+        keep_checkpoints: bool = True,
     ) -> int:
         return sum(
-            m.get_num_blocks_to_allocate(request, num_tokens, new_computed[i])
+            m.get_num_blocks_to_allocate(request, num_tokens, new_computed[i], keep_checkpoints)
             for i, m in enumerate(self.managers)
         )
 
@@ -116,8 +186,12 @@ class KVCacheCoordinator:
         for i, m in enumerate(self.managers):
             m.save_new_computed_blocks(request_id, new_computed[i])
 
-    def allocate_new_blocks(self, request: Request, num_tokens: int) -> GroupBlocks:
-        return tuple(m.allocate_new_blocks(request, num_tokens) for m in self.managers)
+    def allocate_new_blocks(
+        self, request: Request, num_tokens: int, keep_checkpoints: bool = True
+    ) -> GroupBlocks:
+        return tuple(
+            m.allocate_new_blocks(request, num_tokens, keep_checkpoints) for m in self.managers
+        )
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         for m in self.managers:

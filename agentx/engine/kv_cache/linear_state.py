@@ -10,10 +10,12 @@ except the last entry, which holds the running state after every computed token:
 
 A step over tokens n..n' reads the running page, writes a checkpoint into every page it crosses
 and the running state into the last one. Which boundaries get a page is the retention policy's
-plan (the KV policy's ``plan_checkpoints``, validated by its guard). Checkpoints are published
-to the prefix cache once computed and then released: they stay hittable in the pool's LRU until
-evicted, while the request keeps only its running page. A hit needs a checkpoint exactly at the
-hit point.
+plan (the KV policy's ``plan_checkpoints``, validated by its guard); a step whose checkpoints
+do not fit the pool runs without them (the facade asks with ``keep_checkpoints=False``: then
+only the running pages, the two per request ``get_max_num_blocks`` counts). Checkpoints are
+published to the prefix cache once computed and then released: they stay hittable in the
+pool's LRU until evicted, while the request keeps only its running page. A hit needs a
+checkpoint exactly at the hit point (a hand-over instead carries the running page itself).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class LinearStateManager(SingleTypeKVManager):
     def get_hit_block_indices(self, num_blocks: int) -> range:
         return range(num_blocks - 1, num_blocks)  # the checkpoint at the hit point only
 
+    def get_exact_hit_entries(self, num_tokens: int) -> tuple[range, bool]:
+        return range(0), True  # the running state after exactly num_tokens, nothing before
+
     def _plan(self, request: Request) -> CheckpointPlan:
         plan = self.plans.get(request.request_id)
         if plan is None:
@@ -70,28 +75,36 @@ class LinearStateManager(SingleTypeKVManager):
             self.plans[request.request_id] = plan
         return plan
 
-    def _wanted(self, plan: CheckpointPlan, index: int, num_tokens: int) -> bool:
-        """Whether entry ``index`` gets a page when the request grows to ``num_tokens``."""
+    def _wanted(self, plan: CheckpointPlan, index: int, num_tokens: int, keep: bool) -> bool:
+        """Whether entry ``index`` gets a page when the request grows to ``num_tokens``: the
+        running state's always, a checkpoint's only with ``keep``."""
         last = -(-num_tokens // self.block_size) - 1
+        if index == last or not keep:
+            return index == last
         latest = num_tokens // self.block_size - 1
-        boundary = (index + 1) * self.block_size
-        return index == last or plan.keeps(boundary) or (plan.rolling and index == latest)
+        return plan.keeps((index + 1) * self.block_size) or (plan.rolling and index == latest)
 
     def get_num_blocks_to_allocate(
-        self, request: Request, num_tokens: int, new_computed_blocks: Sequence[KVBlock]
+        self,
+        request: Request,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVBlock],
+        keep_checkpoints: bool = True,
     ) -> int:
         plan = self._plan(request)
         start = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
         end = -(-num_tokens // self.block_size)
-        num_new = sum(1 for i in range(start, end) if self._wanted(plan, i, num_tokens))
-        return num_new + _num_revived(new_computed_blocks)
+        wanted = (self._wanted(plan, i, num_tokens, keep_checkpoints) for i in range(start, end))
+        return sum(wanted) + _num_revived(new_computed_blocks)
 
-    def allocate_new_blocks(self, request: Request, num_tokens: int) -> list[KVBlock]:
+    def allocate_new_blocks(
+        self, request: Request, num_tokens: int, keep_checkpoints: bool = True
+    ) -> list[KVBlock]:
         plan = self._plan(request)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         new_blocks = []
         for i in range(len(blocks), -(-num_tokens // self.block_size)):
-            wanted = self._wanted(plan, i, num_tokens)
+            wanted = self._wanted(plan, i, num_tokens, keep_checkpoints)
             new_blocks.append(self.pool.allocate_blocks(1)[0] if wanted else self.pool.null_block)
         blocks.extend(new_blocks)
         return new_blocks

@@ -54,6 +54,7 @@ class PrefixCacheStats:
     num_queries: int = 0  # requests that looked up the cache
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
+    num_dropped_checkpoints: int = 0  # planned linear checkpoints the pool had no room for
 
 
 class KVCacheManager:
@@ -133,7 +134,8 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens after taking a prefix hit.
 
-        Returns the newly allocated blocks, or None when the pool cannot hold them right now;
+        Returns the newly allocated blocks, or None when the pool cannot hold them right now
+        (linear-state checkpoints that do not fit are left out instead: ``_fit``);
         the request's own blocks are then unchanged, but unpinned held KV may have been
         released trying to make room and blocks that left a sliding window were freed. Blocks
         full once these tokens are computed are published to the prefix cache now: within one
@@ -147,18 +149,13 @@ class KVCacheManager:
         rid = request.request_id
         self.coordinator.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
-        if num_needed > self.pool.num_free_blocks:
-            if not reclaim_held:
-                return None
-            self.held.reclaim(num_needed, keep=request.held_kv)
-            num_needed = self.coordinator.get_num_blocks_to_allocate(request, num_total, computed)
-            if num_needed > self.pool.num_free_blocks:
-                return None
+        keep = self._fit(request, num_total, computed, reclaim_held)
+        if keep is None:
+            return None
         self.coordinator.save_new_computed_blocks(rid, computed)
         if new_computed_blocks is not None and new_computed_blocks.held_kv is not None:
             self.held.release(new_computed_blocks.held_kv)  # its references moved to rid
-        new_blocks = self.coordinator.allocate_new_blocks(request, num_total)
+        new_blocks = self.coordinator.allocate_new_blocks(request, num_total, keep)
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_total)
         if new_computed_blocks is not None:
@@ -166,6 +163,51 @@ class KVCacheManager:
             self.stats.num_query_tokens += request.num_tokens
             self.stats.num_hit_tokens += num_new_computed_tokens
         return KVCacheBlocks(new_blocks)
+
+    def _fit(
+        self, request: Request, num_total: int, computed: GroupBlocks, reclaim_held: bool
+    ) -> bool | None:
+        """Whether the blocks for ``num_total`` tokens fit with the retention's checkpoints
+        (True), only without them (False), or not at all (None). Held KV is released for the
+        whole allocation first, as for any block; a checkpoint that still does not fit is not
+        taken: it only makes a later hit possible, so it is worth neither waiting (a request
+        alone in a small pool would wait forever) nor preempting anyone."""
+        count = self.coordinator.get_num_blocks_to_allocate
+        num_needed = count(request, num_total, computed)
+        if num_needed <= self.pool.num_free_blocks:
+            return True
+        if reclaim_held:
+            self.held.reclaim(num_needed, keep=request.held_kv)
+            num_needed = count(request, num_total, computed)
+            if num_needed <= self.pool.num_free_blocks:
+                return True
+        if not self.coordinator.has_linear:
+            return None
+        num_required = count(request, num_total, computed, keep_checkpoints=False)
+        if num_required > self.pool.num_free_blocks:
+            return None
+        self.stats.num_dropped_checkpoints += num_needed - num_required
+        return False
+
+    def get_num_fitting_tokens(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> int:
+        """The most of ``num_new_tokens`` whose blocks (checkpoints left out) fit the free
+        pool now; no side effects. A request alone in the pool runs a chunk that small: a
+        sliding window's blocks go back as it moves on, a whole prompt's need not fit at once."""
+        computed = new_computed_blocks.blocks if new_computed_blocks else self.empty_blocks().blocks
+        start = request.num_computed_tokens + num_new_computed_tokens
+        count = self.coordinator.get_num_blocks_to_allocate
+        low, high = 0, num_new_tokens
+        while low < high:
+            mid = (low + high + 1) // 2
+            fits = count(request, start + mid, computed, keep_checkpoints=False)
+            low, high = (mid, high) if fits <= self.pool.num_free_blocks else (low, mid - 1)
+        return low
 
     def free(self, request: Request) -> None:
         rid, num_computed = request.request_id, request.num_computed_tokens
@@ -288,6 +330,43 @@ class KVCacheManager:
     ) -> int:
         """Blocks of the longest prefix hit the tiers alone complete (an export's length)."""
         return self.coordinator.plan_tier_hit(block_hashes, in_tiers, use_device=False).num_blocks
+
+    def plan_exact_load(
+        self,
+        block_hashes: list[BlockHash],
+        num_tokens: int,
+        tail_key: BlockHash,
+        in_tiers: Callable[[list[BlockHash]], list[bool]],
+        use_device: bool = True,
+    ) -> TierHit | None:
+        """The hit of exactly ``num_tokens`` tokens a hand-over resumes at (full blocks and
+        each group's tail page under ``tail_key``), if the device and the tiers hold all of it
+        and its fresh blocks fit the pool now; ``use_device=False``: the tiers alone (an
+        export). No side effects."""
+        num_free = self.pool.num_free_blocks if use_device else None
+        return self.coordinator.plan_exact_hit(
+            block_hashes, num_tokens, tail_key, in_tiers, num_free, use_device
+        )
+
+    def take_exact_hit(
+        self, block_hashes: list[BlockHash], num_tokens: int, tails: list[KVBlock]
+    ) -> GroupBlocks | None:
+        """After an exact load: the hit's blocks, every group, referenced (``tails``' own
+        references move in); None when a full block is missing from the device cache."""
+        return self.coordinator.take_exact_hit(block_hashes, num_tokens, tails)
+
+    def get_held_tails(self, handle: str, tail_key: BlockHash) -> list[tuple[BlockHash, KVBlock]]:
+        """(pool key, block) of the pages held KV hands over besides its full blocks: each
+        group's partial last block or linear state, under the group's key of ``tail_key``."""
+        held = self.held.get(handle)
+        if held is None:
+            return []
+        tails = self.coordinator.get_tail_blocks(held.blocks, held.num_tokens)
+        return [(self.coordinator.managers[g].key(tail_key), b) for g, b in tails]
+
+    def get_tail_keys(self, tail_key: BlockHash) -> list[BlockHash]:
+        """Every group's key of a hand-over's ``tail_key`` (to drop them from the tiers)."""
+        return [m.key(tail_key) for m in self.coordinator.managers]
 
     def get_num_loadable_blocks(self, prefix: list[KVBlock]) -> int:
         """How many fresh blocks ``prepare_load(prefix, n)`` can allocate right now."""

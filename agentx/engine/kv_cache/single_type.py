@@ -51,11 +51,17 @@ class SingleTypeKVManager(ABC):
         return self.pool.get_cached_block(self.key(block_hash))
 
     def get_num_blocks_to_allocate(
-        self, request: Request, num_tokens: int, new_computed_blocks: Sequence[KVBlock]
+        self,
+        request: Request,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVBlock],
+        keep_checkpoints: bool = True,
     ) -> int:
         """Pool blocks consumed if the request grows to ``num_tokens`` after taking the hit.
 
         A hit block that is free right now also leaves the free queue, so it counts.
+        ``keep_checkpoints=False``: only the blocks the step cannot run without (a manager
+        that checkpoints leaves its checkpoints out; the others need every block anyway).
         """
         num_required = -(-num_tokens // self.block_size)
         num_held = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
@@ -79,7 +85,9 @@ class SingleTypeKVManager(ABC):
                 num_published += 1
             self.num_cached_blocks[request_id] = num_published
 
-    def allocate_new_blocks(self, request: Request, num_tokens: int) -> list[KVBlock]:
+    def allocate_new_blocks(
+        self, request: Request, num_tokens: int, keep_checkpoints: bool = True
+    ) -> list[KVBlock]:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_new = -(-num_tokens // self.block_size) - len(blocks)
         if num_new <= 0:
@@ -143,6 +151,12 @@ class SingleTypeKVManager(ABC):
         """The entries a hit of ``num_blocks`` blocks reads in this group (the others may be
         null): what a lower tier must hand back for such a hit. All of them, by default."""
         return range(num_blocks)
+
+    def get_exact_hit_entries(self, num_tokens: int) -> tuple[range, bool]:
+        """What resuming at exactly ``num_tokens`` tokens reads in this group (a hand-over):
+        the full blocks, by entry, and whether the last entry is a page no prefix hash names
+        (a partial block; a linear state). All full blocks and the partial one, by default."""
+        return range(num_tokens // self.block_size), num_tokens % self.block_size != 0
 
     @abstractmethod
     def find_longest_cache_hit(
@@ -210,6 +224,11 @@ class SlidingWindowManager(SingleTypeKVManager):
 
     def get_hit_block_indices(self, num_blocks: int) -> range:
         return range(max(0, num_blocks - self.num_window_blocks), num_blocks)
+
+    def get_exact_hit_entries(self, num_tokens: int) -> tuple[range, bool]:
+        # the next query, at num_tokens, sees its W-1 tokens before: the blocks holding them
+        first = max(0, num_tokens - self.window + 1) // self.block_size
+        return range(first, num_tokens // self.block_size), num_tokens % self.block_size != 0
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.req_to_blocks.get(request_id)

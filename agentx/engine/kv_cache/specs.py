@@ -87,7 +87,9 @@ class LinearStateSpec(KVCacheSpec):
         return sum(math.prod(shape) for shape in self.shapes) * self.itemsize
 
     def get_max_num_blocks(self, max_model_len: int) -> int:
-        return 2  # the running state and the checkpoint being written
+        # the running state read and the one written past a block boundary; checkpoints
+        # beyond these are left out when the pool has no room (KVCacheManager._fit)
+        return 2
 
 
 @dataclass(frozen=True, slots=True)

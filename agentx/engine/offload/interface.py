@@ -20,18 +20,20 @@ from agentx.engine.request import Request
 class KVExport:
     """A session's prefix as another engine can import it from a shared tier.
 
-    With a tail (``export(handle, include_tail=True)``) the partial last block travels too,
-    stored under ``tail_key`` (no prefix-cache hash is ever equal to it), so the importer
-    resumes at the exact token the exporter stopped at::
+    With a tail (``export(handle, include_tail=True)``) each KV group's last page that no
+    prefix hash names travels too: a partial last block (attention groups), the running state
+    (linear-state groups, also at a block boundary), stored under the group's key of
+    ``tail_key`` (no prefix-cache hash is ever equal to it), so the importer resumes at the
+    exact token the exporter stopped at, in every layout::
 
         token_ids   [ block 0 | block 1 | ... | block n-1 ][ tail_token_ids ]
-        tier keys     block_hashes[0 .. n-1]                 tail_key
+        tier keys     block_hashes[0 .. n-1]                 tail_key (per group)
     """
 
     token_ids: tuple[int, ...]  # the tokens of the exported full blocks
     block_hashes: tuple[BlockHash, ...]
-    tail_token_ids: tuple[int, ...] = ()  # the partial last block's tokens (empty: none)
-    tail_key: BlockHash | None = None
+    tail_token_ids: tuple[int, ...] = ()  # the partial last block's tokens (may be empty)
+    tail_key: BlockHash | None = None  # None: no tail, the importer resumes at a boundary
     cache_salt: bytes = b""  # the salt of the exported KV: only requests with it extend it
 
     @property
@@ -78,7 +80,8 @@ class Offload(ABC):
     @abstractmethod
     def export(self, handle: str, include_tail: bool = False) -> KVExport | None:
         """Held KV's prefix as another engine sharing a tier can import it; None if unknown.
-        ``include_tail``: the partial last block goes to the tiers too (a P/D hand-over)."""
+        ``include_tail``: each group's last page goes to the tiers too, so the importer
+        resumes at the exact token (a P/D hand-over)."""
 
     @abstractmethod
     def import_(self, export: KVExport, handle: str) -> int:

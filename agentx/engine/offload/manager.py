@@ -9,8 +9,9 @@
               live on in the tiers) and prefetched back ``prefetch_margin_s`` before it returns
               (the KV policy's ``on_tool_wait`` decides both; those are its defaults)
     migrate   ``export`` names held KV's blocks in the shared tiers; ``import_`` loads
-              them into another engine as held KV (with ``include_tail`` the partial last
-              block too, under a key of its own: a P/D hand-over resumes at the exact token)
+              them into another engine as held KV (with ``include_tail`` each group's last
+              page too, a partial block or a linear state, under a key of its own: a P/D
+              hand-over resumes at the exact token, every KV layout)
 
 Every KV layout: each group's published blocks are stored under their pool keys (full attention
 every block, sliding window the blocks inside the window, linear attention the checkpoints its
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -50,20 +51,25 @@ class PageIO(Protocol):
     def scatter_pages(self, block_ids: list[int], pages: torch.Tensor) -> None: ...
 
 
+_NO_PAGES = torch.empty((0, 0), dtype=torch.uint8)  # a load's staging before it is queued
+
+
 @dataclass(slots=True)
 class _Load:
     handle: str | None  # the held KV the blocks become (None: the device cache only)
     request_id: str | None  # the parked request waiting for it (None: a prefetch or import)
-    token_ids: list[int]  # tokens of the hit's blocks (``hashes``)
+    token_ids: list[int]  # tokens of the hit's full blocks (``hashes``)
     device_blocks: list[KVBlock]  # device blocks of the hit, every group (referenced)
-    blocks: list[KVBlock]  # fresh device blocks the pages land in
     hashes: list[BlockHash]  # the prefix hashes of the hit (token_ids' blocks)
     keys: list[BlockHash]  # the pool keys the pages load under, one per fresh block
-    pages: torch.Tensor  # (n, page_bytes) host staging, untouched until the event
     cache_salt: bytes = b""  # the salt the hashes were made with (the held KV keeps it)
-    # a partial last block's tokens: then the last of blocks / hashes / pages is that block
-    # (never cached on the device: it is not full)
+    # an exact load (a hand-over): the last ``num_tails`` of keys / blocks / pages are tail
+    # pages (partial blocks, linear states: never cached on the device); ``tail_token_ids``
+    # follow ``token_ids`` (none when the hit ends at a block boundary)
     tail_token_ids: tuple[int, ...] = ()
+    num_tails: int = 0
+    blocks: list[KVBlock] = field(default_factory=list)  # fresh blocks the pages land in
+    pages: torch.Tensor = _NO_PAGES  # (n, page_bytes) host staging, untouched until the event
 
 
 @dataclass(slots=True)
@@ -141,33 +147,39 @@ class OffloadManager(Offload):
         token_ids: list[int],
         hashes: list[BlockHash],
         cache_salt: bytes = b"",
-        tail: tuple[BlockHash, tuple[int, ...]] | None = None,
     ) -> bool:
         """Load what the device lacks of the longest hit of ``hashes`` that every KV group
-        agrees on (then ``tail``: a partial block's key and tokens, single-group layouts,
-        loaded only if every full block before it is)."""
-        single = len(self.kv.layout.groups) == 1  # a partial block of one group only
-        with_tail = single and tail is not None and self.store.contains([tail[0]])[0]
-        hit = self.kv.plan_load(hashes, self.store.contains, num_reserved=int(with_tail))
-        with_tail = with_tail and hit.num_blocks == len(hashes)
-        keys = hit.keys + ([tail[0]] if tail is not None and with_tail else [])
-        if not keys:
-            return False
-        blocks = self.kv.prepare_load(hit.device_blocks, len(keys))
-        pages = torch.empty((len(keys), self.runner.page_bytes), dtype=torch.uint8)
-        ticket = self.store.load(keys, list(pages))
-        self.loads[ticket.job_id] = _Load(
-            handle,
-            request_id,
-            token_ids[: hit.num_blocks * self.block_size],
-            hit.device_blocks,
-            blocks,
-            list(hashes[: hit.num_blocks]),
-            keys,
-            pages,
-            cache_salt,
-            tail[1] if tail is not None and with_tail else (),
+        agrees on."""
+        hit = self.kv.plan_load(hashes, self.store.contains)
+        num = hit.num_blocks
+        tokens = token_ids[: num * self.block_size]
+        load = _Load(handle, request_id, tokens, hit.device_blocks, hashes[:num], hit.keys)
+        load.cache_salt = cache_salt
+        return self._queue_load(load)
+
+    def _start_exact_load(self, handle: str, export: KVExport) -> bool:
+        """Load an export's exact hit, tail pages included (False: the device and the tiers
+        lack some of it, or the pool has no room for it now)."""
+        hashes = list(export.block_hashes)
+        hit = self.kv.plan_exact_load(
+            hashes, export.num_tokens, export.tail_key, self.store.contains
         )
+        if hit is None:
+            return False
+        tokens = list(export.token_ids)
+        load = _Load(handle, None, tokens, hit.device_blocks, hashes, hit.keys, export.cache_salt)
+        load.tail_token_ids, load.num_tails = export.tail_token_ids, len(hit.tail_groups)
+        return self._queue_load(load)
+
+    def _queue_load(self, load: _Load) -> bool:
+        """Reference the hit's device blocks, allocate the fresh ones and queue the reads
+        (False: nothing to load, nothing taken)."""
+        if not load.keys:
+            return False
+        load.blocks = self.kv.prepare_load(load.device_blocks, len(load.keys))
+        load.pages = torch.empty((len(load.keys), self.runner.page_bytes), dtype=torch.uint8)
+        ticket = self.store.load(load.keys, list(load.pages))
+        self.loads[ticket.job_id] = load
         return True
 
     def poll(self) -> list[tuple[str, str]]:
@@ -190,25 +202,26 @@ class OffloadManager(Offload):
         if num_done:
             done_ids = [b.block_id for b in load.blocks[:num_done]]
             self.runner.scatter_pages(done_ids, load.pages[:num_done])
-        num_full = len(load.blocks) - bool(load.tail_token_ids)
-        full, tail = load.blocks[:num_full], load.blocks[num_full:]
+        num_full = len(load.blocks) - load.num_tails
+        full, tails = load.blocks[:num_full], load.blocks[num_full:]
         done = self.kv.complete_load(full, load.keys[:num_full], min(num_done, num_full))
         self.counters.num_loaded_blocks += num_done
         self.counters.num_failed_blocks += len(load.blocks) - num_done
-        # what landed, as the device cache now agrees on it across groups (a failed block
-        # shortens the hit to the longest length every group still resumes from)
-        groups = self.kv.take_cached_hit(load.hashes) if load.handle is not None else ()
-        self.kv.free_blocks(load.device_blocks + done)  # the load's own references
-        if load.handle is None:  # a prefetch into the device cache: most recently used now
-            return
-        num_blocks = max((len(g) for g in groups), default=0)
-        token_ids = load.token_ids[: num_blocks * self.block_size]
-        if tail and num_done == len(load.blocks) and num_blocks == len(load.hashes):
-            groups[0].extend(tail)
-            token_ids = token_ids + list(load.tail_token_ids)
+        groups = None
+        if tails and num_done == len(load.blocks):  # an exact load that landed whole
+            num_tokens = len(load.token_ids) + len(load.tail_token_ids)
+            groups = self.kv.take_exact_hit(load.hashes, num_tokens, tails)
+        if groups is not None:
+            token_ids = load.token_ids + list(load.tail_token_ids)
         else:
-            self.kv.free_blocks(tail)  # not loaded, or its block would not follow a full prefix
-        if token_ids:
+            self.kv.free_blocks(tails)  # not loaded, or they would not follow their prefix
+            # what landed, as the device cache now agrees on it across groups (a failed block
+            # shortens the hit to the longest length every group still resumes from)
+            groups = self.kv.take_cached_hit(load.hashes) if load.handle is not None else ()
+            num_blocks = max((len(g) for g in groups), default=0)
+            token_ids = load.token_ids[: num_blocks * self.block_size]
+        self.kv.free_blocks(load.device_blocks + done)  # the load's own references
+        if load.handle is not None and token_ids:
             self.kv.add_held(load.handle, token_ids, groups, load.cache_salt)
 
     def idle_wait(self, timeout: float = 0.005) -> None:
@@ -313,49 +326,48 @@ class OffloadManager(Offload):
         self, handle: str, include_tail: bool = False, timeout: float = 30.0
     ) -> KVExport | None:
         """The held KV's prefix as far as the tiers complete a hit of it in every KV group
-        (waits for the stores); with ``include_tail`` its partial last block too (single-group
-        layouts: a hybrid's importer resumes from the last agreed block boundary)."""
+        (waits for the stores); with ``include_tail`` the whole of it: each group's last page
+        that no prefix hash names (a partial block, a linear state) goes to the tiers under a
+        key of its own, so the importer resumes at the exact token in every layout."""
         held = self.kv.get_held(handle)
         if held is None:
             return None
         hashes: list[BlockHash] = []
         extend_block_hashes(hashes, held.token_ids, self.block_size, held.cache_salt)
         num_full = len(hashes)
-        tail = held.token_ids[num_full * self.block_size :]
-        tail_key = None
-        if include_tail and tail and len(self.kv.layout.groups) == 1:
-            tail_key = hash_partial_block(hashes[-1] if hashes else None, tail, held.cache_salt)
-            pages = self.runner.gather_pages([held.blocks[0][num_full].block_id])
-            ticket = self.store.store([tail_key], list(pages), self.tier_names)
+        tail = tuple(held.token_ids[num_full * self.block_size :])
+        tail_key = hash_partial_block(hashes[-1] if hashes else None, tail, held.cache_salt)
+        tails = self.kv.get_held_tails(handle, tail_key) if include_tail else []
+        if tails:
+            pages = self.runner.gather_pages([b.block_id for _, b in tails])
+            ticket = self.store.store([k for k, _ in tails], list(pages), self.tier_names)
             self.stores[ticket.job_id] = pages
         self.flush(timeout)
-        num = self.kv.plan_tier_only(hashes, self.store.contains)
-        with_tail = tail_key is not None and num == num_full and self.store.contains([tail_key])[0]
-        return KVExport(
-            tuple(held.token_ids[: num * self.block_size]),
-            tuple(hashes[:num]),
-            tuple(tail) if with_tail else (),
-            tail_key if with_tail else None,
-            held.cache_salt,
+        contains = self.store.contains
+        exact = tails and self.kv.plan_exact_load(
+            hashes, held.num_tokens, tail_key, contains, use_device=False
         )
+        if exact:
+            token_ids = tuple(held.token_ids[: num_full * self.block_size])
+            return KVExport(token_ids, tuple(hashes), tail, tail_key, held.cache_salt)
+        if tails:  # a full block it needs is not in the tiers: its tail pages are no use
+            self.store.drop([k for k, _ in tails])
+        num = self.kv.plan_tier_only(hashes, contains)
+        token_ids = tuple(held.token_ids[: num * self.block_size])
+        return KVExport(token_ids, tuple(hashes[:num]), (), None, held.cache_salt)
 
     def import_(self, export: KVExport, handle: str, timeout: float = 30.0) -> int:
-        """Load an exported prefix as held KV ``handle``; returns its tokens on device. A
-        tail's key is dropped from the tiers after: it names one hand-over."""
-        tail = None
-        if export.tail_key is not None:
-            tail = (export.tail_key, export.tail_token_ids)
-        self._start_load(
-            handle,
-            None,
-            list(export.token_ids),
-            list(export.block_hashes),
-            export.cache_salt,
-            tail,
-        )
+        """Load an exported prefix as held KV ``handle``, exactly with a tail (else, or when
+        the tiers lost some of it, the longest prefix every group agrees on); returns its
+        tokens on the device. Tail keys are dropped from the tiers after: they name one
+        hand-over."""
+        exact = export.tail_key is not None and self._start_exact_load(handle, export)
+        if not exact:
+            tokens, hashes = list(export.token_ids), list(export.block_hashes)
+            self._start_load(handle, None, tokens, hashes, export.cache_salt)
         self.flush(timeout)
-        if tail is not None:
-            self.store.drop([tail[0]])
+        if export.tail_key is not None:
+            self.store.drop(self.kv.get_tail_keys(export.tail_key))
         held = self.kv.get_held(handle)
         return 0 if held is None else held.num_tokens
 

@@ -228,6 +228,10 @@ class Scheduler:
             if num_new == 0:
                 continue  # the chunk share is spent; decodes behind it still run
             while (new_blocks := self.kv.allocate_slots(request, num_new)) is None:
+                fitting = self._fit_alone(request, num_new, 0, None)
+                if fitting:
+                    num_new = fitting
+                    continue
                 victim = self.queue_cls.pick_victim(self.running)
                 budget.give_back(*self._preempt(victim, scheduled))
                 preempted_any = True
@@ -368,6 +372,11 @@ class Scheduler:
             if num_new == 0:
                 break  # the chunk share is spent; admission keeps the queue's order
             new_blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks)
+            if new_blocks is None and (
+                fitting := self._fit_alone(request, num_new, num_hit, hit_blocks)
+            ):
+                num_new = fitting
+                new_blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks)
             if new_blocks is None:
                 break  # the pool is full; running requests will free blocks
             self.waiting.remove(request)
@@ -381,6 +390,19 @@ class Scheduler:
             self._known_to_runner.discard(request.request_id)
             scheduled[request.request_id] = _Scheduled(request, num_new, new_blocks, [])
             budget.take(num_new)
+
+    def _fit_alone(
+        self, request: Request, num_new: int, num_hit: int, hit_blocks: KVCacheBlocks | None
+    ) -> int:
+        """A smaller chunk for a request whose ``num_new`` tokens do not fit while no other
+        request runs (nobody will free a block for it: it would wait forever, or preempt
+        itself and come back to the same wall); 0 when it is not alone or no smaller one
+        fits. ``check_fits`` ensured one block's worth always does, with the pool empty."""
+        others = [r for r in self.running if r is not request]
+        if others or num_new <= 1:
+            return 0
+        fitting = self.kv.get_num_fitting_tokens(request, num_new, num_hit, hit_blocks)
+        return fitting if fitting < num_new else 0
 
     def _spend_held(self, request: Request) -> None:
         """Adopted or stale, the held KV a request names is spent once it runs or ends (held KV

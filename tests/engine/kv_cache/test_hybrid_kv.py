@@ -193,3 +193,31 @@ def test_make_retention_rejects_unknown_names_and_bad_intervals():
         make_retention("lru")
     with pytest.raises(ValueError, match=">= 0"):
         IntervalRetention(-1)
+
+
+def test_checkpoints_the_pool_cannot_hold_are_left_out_not_waited_for():
+    # 24 prompt + 4 output tokens: 7 full blocks and 2 linear pages, all 9 of the pool; interval
+    # retention plans a checkpoint at every boundary, 5 more pages than the prefill has room for
+    kv = make_kv([FULL, LINEAR], num_blocks=10, retention=IntervalRetention(4))
+    assert kv.get_max_num_blocks(28) == 9
+    request = make_request("a", list(range(24)), max_tokens=4)
+    # the prefill runs with the running page only (it is also the checkpoint at 24)
+    assert admit(kv, request) == (0, ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 7]))
+    assert kv.stats.num_dropped_checkpoints == 5
+    assert decode(kv, request, 100) == ([8], [9])  # room again: nothing dropped
+    assert kv.stats.num_dropped_checkpoints == 5
+    assert kv.get_block_ids("a") == ([1, 2, 3, 4, 5, 6, 8], [0, 0, 0, 0, 0, 7, 9])
+    kv.free(request)
+    kv.check_integrity()
+    # what was kept is a hit: the checkpoint at 24; none before it
+    assert admit(kv, make_request("b", list(range(24)) + [7, 7]))[0] == 24
+    assert kv.get_computed_blocks(make_request("c", list(range(20)) + [7]))[1] == 0
+
+
+def test_a_step_that_does_not_fit_even_without_checkpoints_still_waits():
+    kv = make_kv([FULL, LINEAR], num_blocks=7, retention=IntervalRetention(4))
+    request = make_request("a", list(range(24)))
+    hit, num_hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, 24, num_hit, hit) is None  # 6 + 1 of 6 free: no
+    assert kv.stats.num_dropped_checkpoints == 0 and kv.get_num_used_blocks() == 0
+    kv.check_integrity()

@@ -1,9 +1,13 @@
-"""Exact-state tests of offload planning on hybrid KV layouts (no model, no tier): the one hit
-length every group agrees on when a group's blocks may come from the device cache or a lower
-tier, which pool keys a load fetches, and the held KV a finished load becomes."""
+"""Exact-state tests of offload planning on hybrid KV layouts (no model): the one hit length
+every group agrees on when a group's blocks may come from the device cache or a lower tier,
+which pool keys a load fetches, and the held KV a finished load becomes; then a hand-over
+between two offload managers sharing a host tier, which resumes at the exact token in every
+group (each group's partial block, the linear state itself), page for page."""
 
+import pytest
 import torch
 
+from agentx.config import OffloadConfig
 from agentx.engine.kv_cache import (
     FullAttentionSpec,
     KVCacheGroup,
@@ -13,6 +17,10 @@ from agentx.engine.kv_cache import (
     SlidingWindowSpec,
 )
 from agentx.engine.kv_cache.retention import IntervalRetention
+from agentx.engine.offload.host import HostTier
+from agentx.engine.offload.manager import OffloadManager
+from agentx.engine.offload.tiered import TieredStore
+from agentx.engine.request import RequestStatus
 from tests.helpers.kv import make_request
 
 FULL = FullAttentionSpec(4, torch.float32, num_kv_heads=1, head_size=8)
@@ -133,3 +141,122 @@ def test_a_load_failing_midway_keeps_the_longest_agreed_prefix():
     assert [len(g) for g in groups] == [0, 0, 0]  # no checkpoint before it was loaded either
     kv.check_integrity()
     assert kv.num_free_blocks == 39
+
+
+# ---- a hand-over: export with its tail, import on another engine ----------------------------
+
+
+class Pages:
+    """A device whose page ``b`` holds the bytes ``offset + b``: every block's content tells
+    which engine and block it was written on."""
+
+    page_bytes = 8
+
+    def __init__(self, num_blocks: int, offset: int) -> None:
+        self.data = (torch.arange(num_blocks, dtype=torch.uint8) + offset)[:, None].repeat(1, 8)
+
+    def gather_pages(self, block_ids):
+        return self.data[block_ids].clone()
+
+    def scatter_pages(self, block_ids, pages):
+        self.data[block_ids] = pages
+
+
+@pytest.fixture
+def pair():
+    """Offload managers of a prefilling (P) and a decoding (D) engine sharing a host tier."""
+    tier = HostTier(Pages.page_bytes, 64)
+    config = OffloadConfig(host_bytes=64 * Pages.page_bytes)
+    managers = [
+        OffloadManager(TieredStore([tier]), hybrid_kv(), Pages(40, offset), config)
+        for offset in (0, 100)
+    ]
+    yield managers
+    for manager in managers:
+        manager.flush()
+        manager.store.worker.close()
+
+
+def prefill_and_hold(offload, tokens, num_prompt=14):
+    """P prefills ``num_prompt`` tokens, decodes the rest of ``tokens`` and one more, and holds
+    the KV of ``tokens``; its blocks reach the tier. Linear checkpoints sit at 8, 12 (the
+    prompt end) and 16: none at 20, where every group of a tailless hit used to stop."""
+    kv = offload.kv
+    request = make_request("a", tokens[:num_prompt], hold_kv=True)
+    kv.allocate_slots(request, num_prompt, 0, kv.empty_blocks())
+    request.num_computed_tokens = num_prompt
+    for token_id in tokens[num_prompt:]:
+        request.append_output_token(token_id)
+        kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+    request.append_output_token(100)
+    request.status = RequestStatus.FINISHED_LENGTH
+    kv.finish_turn(request, hold=True)
+    offload.after_step()
+    kv.check_integrity()
+    return kv.get_held("a")
+
+
+def contents(offload, groups):
+    """Per group, the first byte of each entry's page (None: the null block)."""
+    data = offload.runner.data
+    return [[None if b.is_null else int(data[b.block_id, 0]) for b in g] for g in groups]
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "tail_groups", "pattern"),
+    [
+        # 5 blocks + 2 tokens: every group ends in a partial block; sliding (window 8) reads
+        # blocks 3 and 4 before it, linear only its running state
+        (22, [0, 1, 2], [[1] * 6, [0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 1]]),
+        # 5 whole blocks: attention groups need no tail; the linear state after 20 tokens is no
+        # checkpoint, so its running page goes over (it would even if it were one)
+        (20, [2], [[1] * 5, [0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]),
+    ],
+)
+def test_a_hand_over_resumes_at_the_exact_token_in_every_group(
+    pair, num_tokens, tail_groups, pattern
+):
+    p, d = pair
+    held = prefill_and_hold(p, TOKENS[:num_tokens])
+    export = p.export("a", include_tail=True)
+    num_full = num_tokens // 4
+    assert export.num_tokens == num_tokens  # was 16: a hybrid stopped at a checkpoint
+    assert export.token_ids == tuple(TOKENS[: num_full * 4])
+    assert export.tail_token_ids == tuple(TOKENS[num_full * 4 : num_tokens])
+    tail_keys = [p.kv.coordinator.managers[g].key(export.tail_key) for g in tail_groups]
+    assert p.store.contains(tail_keys) == [True] * len(tail_keys)
+    assert d.import_(export, "h") == num_tokens
+    imported = d.kv.get_held("h")
+    assert imported.token_ids == TOKENS[:num_tokens]
+    # the entries P holds, each page a copy of P's (P's pages hold their block ids, D's
+    # fresh ones 100 + theirs)
+    for groups in (held.blocks, imported.blocks):
+        assert [[int(not b.is_null) for b in g] for g in groups] == pattern
+    assert contents(d, imported.blocks) == contents(p, held.blocks)
+    assert d.counters.num_loaded_blocks == sum(map(sum, pattern))
+    assert d.store.contains(tail_keys) == [False] * len(tail_keys)  # one hand-over's keys
+    # D's next request takes the whole held KV as its hit, the partial block included
+    request = make_request("b", TOKENS[:num_tokens] + [100], held_kv="h")
+    assert d.kv.get_computed_blocks(request)[1] == num_tokens
+    for offload, handle in ((p, "a"), (d, "h")):
+        assert offload.kv.release_held(handle)
+        offload.check_integrity()
+        offload.kv.check_integrity()
+        assert offload.kv.get_num_used_blocks() == 0
+
+
+def test_a_hand_over_whose_block_left_the_tier_resumes_where_every_group_agrees(pair):
+    p, d = pair
+    prefill_and_hold(p, TOKENS[:22])
+    export = p.export("a", include_tail=True)
+    p.store.drop([export.block_hashes[4]])  # the full group's block 4, evicted meanwhile
+    # full 0..3, sliding 2..3 and the linear checkpoint at 16: the longest agreed prefix
+    assert d.import_(export, "h") == 16
+    assert d.counters.num_loaded_blocks == 4 + 2 + 1
+    tail_keys = d.kv.get_tail_keys(export.tail_key)
+    assert d.store.contains(tail_keys) == [False] * 3
+    for offload, handle in ((p, "a"), (d, "h")):
+        assert offload.kv.release_held(handle)
+        offload.kv.check_integrity()
+        assert offload.kv.get_num_used_blocks() == 0

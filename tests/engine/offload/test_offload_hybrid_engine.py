@@ -2,7 +2,8 @@
 (linear-attention checkpoints + full attention) and Gemma 3 270M (sliding-window + full
 attention, real weights). A session's KV is evicted from a small device pool, reloaded from
 host, disk or Mooncake on its next turn to the one length every group agrees on, and the
-greedy tokens equal a cold run's; without tiers the same turn recomputes everything."""
+greedy tokens equal a cold run's; without tiers the same turn recomputes everything. A session
+migrated with its tail (``export_held(include_tail=True)``) resumes at the exact token."""
 
 from pathlib import Path
 
@@ -113,12 +114,15 @@ def test_qwen3_next_migrates_a_session_through_a_shared_disk(next_folder, next_t
         stream = source.add_request(a, GREEDY, hold_kv=True)
         assert stream.result(timeout=120).token_ids == first
         export = source.export_held(stream.request_id, include_tail=True)
-        # 187 tokens held: 5 full blocks agreed in every group; a hybrid exports no tail
-        assert export is not None and export.num_tokens == 5 * NEXT_BLOCK
+        # 187 tokens held: 5 full blocks, the full group's partial block and each linear
+        # group's running state (it used to stop at 160, the last checkpoint every group had)
+        assert export is not None and export.num_tokens == 187
+        assert len(export.tail_token_ids) == 187 - 5 * NEXT_BLOCK
         handle = dest.import_held(export)
         assert handle is not None and dest.stats().kv_num_held == 1
+        assert dest.stats().offload_loaded_blocks == 5 + 1 + 2
         gen = dest.add_request(second, GREEDY, held_kv=handle).result(timeout=120)
-        assert gen.usage.cached_tokens == 5 * NEXT_BLOCK and gen.token_ids == expected
+        assert gen.usage.cached_tokens == 187 and gen.token_ids == expected
         assert source.release_held(stream.request_id)
         assert_idle(source)
         assert_idle(dest)
@@ -175,3 +179,31 @@ def test_gemma3_session_reloads_its_window_from_host_and_disk(tmp_path):
         assert (stats.offload_loaded_blocks, hits) == (186, {"host": 62, "disk": 124}), hits
         assert stats.offload_failed_blocks == 0
         assert_idle(engine)
+
+
+def test_gemma3_migrates_a_session_to_the_exact_token(tmp_path):
+    path = str(gemma3_270m_path())
+    cold_cache = CacheConfig(num_blocks=260, enable_prefix_caching=False)
+    with Engine(EngineConfig(model=path, cache=cold_cache)) as cold:
+        a = cold.tokenizer.encode("The history of the Roman Empire, told year by year. " * 60)
+        a = a[:600]
+        first = cold.add_request(a, GREEDY).result(timeout=600).token_ids
+        second = a + first + [5, 6, 7]
+        expected = cold.add_request(second, GREEDY).result(timeout=600).token_ids
+    offload = OffloadConfig(disk_path=tmp_path)
+    config = EngineConfig(model=path, cache=CacheConfig(num_blocks=260), offload=offload)
+    with Engine(config) as source, Engine(config) as dest:
+        stream = source.add_request(a, GREEDY, hold_kv=True)
+        assert stream.result(timeout=600).token_ids == first
+        export = source.export_held(stream.request_id, include_tail=True)
+        # 607 tokens held: 37 full blocks and 15 tokens. The full group sends all 37, each
+        # sliding group the 31 its next token's window (the 511 tokens before it) reads, 6..36,
+        # and every group its partial block (it used to stop at 592, the last boundary)
+        assert export is not None and export.num_tokens == 607
+        handle = dest.import_held(export)
+        assert dest.stats().offload_loaded_blocks == 37 + 5 * 31 + 6
+        gen = dest.add_request(second, GREEDY, held_kv=handle).result(timeout=600)
+        assert gen.usage.cached_tokens == 607 and gen.token_ids == expected
+        assert source.release_held(stream.request_id)
+        assert_idle(source)
+        assert_idle(dest)

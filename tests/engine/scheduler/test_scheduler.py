@@ -1,13 +1,19 @@
 """Exact-state tests of the token-budget scheduler with a fake runner (no model)."""
 
 import pytest
+import torch
 
 from agentx.config import SchedulerConfig
+from agentx.engine.kv_cache import LinearStateSpec, SlidingWindowSpec
+from agentx.engine.kv_cache.retention import IntervalRetention
 from agentx.engine.outputs import ModelRunnerOutput
 from agentx.engine.request import RequestStatus
 from agentx.engine.scheduler import Scheduler
 from agentx.errors import PromptTooLongError
-from tests.helpers.kv import make_manager, make_request
+from tests.helpers.kv import FULL, make_kv, make_manager, make_request
+
+LINEAR = LinearStateSpec(4, torch.float32, shapes=((2, 3), (16,)))
+SLIDING = SlidingWindowSpec(4, torch.float32, num_kv_heads=1, head_size=8, sliding_window=8)
 
 
 def fake_run(out):
@@ -181,3 +187,38 @@ def test_priority_victim_already_scheduled_this_step_gives_back_its_budget():
     assert x.num_output_tokens == 4  # tokens sampled before preemption are kept
     assert s.kv.get_block_ids("x") == ([],)
     assert len(s.kv.get_block_ids("y")[0]) == 3
+
+
+def test_a_request_alone_in_a_pool_too_small_for_its_checkpoints_is_served():
+    # full attention + linear state, checkpoints every block: the 24-token prefill plans 6
+    # checkpoint pages beside its 6 full blocks, more than the 9-block pool; admitted with its
+    # running page only, it finishes (before the fix it waited forever: a bounded loop here)
+    kv = make_kv(10, specs=(FULL, LINEAR), retention=IntervalRetention(4))
+    s = Scheduler(SchedulerConfig(), kv, max_model_len=256)
+    request = make_request("a", list(range(24)), max_tokens=4)
+    s.add_request(request)  # check_fits: 7 full blocks + 2 linear pages of 9
+    for _ in range(8):
+        step(s)
+        if request.is_finished:
+            break
+    assert request.output_token_ids == [1000, 1001, 1002, 1003]
+    assert s.num_preemptions == 0 and kv.stats.num_dropped_checkpoints == 5
+    assert kv.get_num_used_blocks() == 0
+
+
+def test_a_request_alone_runs_the_chunk_a_sliding_window_leaves_room_for():
+    # full attention + a window of 8: 40 + 4 tokens need 11 full blocks and 4 window blocks, the
+    # 15 of the pool; a 40-token chunk needs 10 of each at once, so it runs as 28 then 12 (the
+    # window's blocks go back as it moves on) instead of waiting forever
+    kv = make_kv(16, specs=(FULL, SLIDING))
+    s = Scheduler(SchedulerConfig(), kv, max_model_len=256)
+    request = make_request("a", list(range(40)), max_tokens=4)
+    s.add_request(request)
+    chunks = []
+    for _ in range(8):
+        chunks.append(step(s)[0].get("a"))
+        if request.is_finished:
+            break
+    assert chunks == [28, 12, 1, 1, 1]
+    assert request.output_token_ids == [1000, 1001, 1002, 1003]
+    assert s.num_preemptions == 0 and kv.get_num_used_blocks() == 0

@@ -86,7 +86,8 @@ def _load_kquant_projections(
         sizes = module.output_sizes if isinstance(module, ColumnParallelLinear) else [out_features]
         kinds = [Q6 if ".mlp." in name else Q4] * len(sizes)
         if qkv_kinds is not None and name.endswith("qkv_proj"):
-            kinds = qkv_kinds[int(name.split(".")[2])]  # model.layers.<i>.self_attn.qkv_proj
+            parts = name.split(".")  # ...layers.<i>.self_attn.qkv_proj
+            kinds = qkv_kinds[int(parts[parts.index("layers") + 1])]
         for part, (size, kind) in enumerate(zip(sizes, kinds, strict=True)):
             blocks = random_blocks(size, in_features, kind, seed=part, scale=0.0005)
             module.load("weight", KQuantTensor(blocks, kind), part)

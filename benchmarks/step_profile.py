@@ -15,6 +15,8 @@ the fused layer's stages by its opt-in C++ clock), averaged over the steps of ea
     python benchmarks/step_profile.py --quantization none   # fp32, unfused (the old path)
     python benchmarks/step_profile.py --decoders 1          # one stream after a 2K prompt
     python benchmarks/step_profile.py --kv-cache-dtype int8 # int8 KV (bf16 by default)
+    python benchmarks/step_profile.py --model qwen2.5-coder-1.5b --decoders 1 --context 128 \
+        --threads 2                                       # single-stream decode, the coding model
 
 It also prints the KV bytes a decode step reads (every decoder's context, every attention
 layer, K and V, at the prompt's length) and what attention's time makes of them in GB/s.
@@ -172,7 +174,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def main() -> None:
-    global DECODERS  # noqa: PLW0603 (read by _kind inside the engine's loop)
+    global DECODERS, CONTEXT  # noqa: PLW0603 (read by _kind inside the engine's loop)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--decoders", type=int, default=8, help="requests decoding")
@@ -183,9 +185,15 @@ def main() -> None:
         help="drafting (off by default: a step of drafts is neither kind below)",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="CacheConfig.kv_cache_dtype")
+    parser.add_argument("--model", default=None, help="EngineConfig.model (default: embedded)")
+    parser.add_argument("--context", type=int, default=CONTEXT, help="each prompt's tokens")
+    parser.add_argument("--threads", type=int, default=None, help="EngineConfig.num_threads")
     args = parser.parse_args()
-    DECODERS = args.decoders
+    DECODERS, CONTEXT = args.decoders, args.context
+    model = {} if args.model is None else {"model": args.model}
     config = EngineConfig(
+        **model,
+        num_threads=args.threads,
         quantization=args.quantization,
         cache=CacheConfig(kv_cache_bytes=1 << 30, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=512),
@@ -212,7 +220,7 @@ def main() -> None:
         for s in streams:
             engine.abort(s.request_id)
     print(
-        f"quantization={args.quantization}, KV {kv_dtype}, "
+        f"{args.model or 'embedded model'}, quantization={args.quantization}, KV {kv_dtype}, "
         f"{DECODERS} request(s) at ~{CONTEXT} tokens"
     )
     kv_bytes = DECODERS * CONTEXT * token_bytes

@@ -210,13 +210,14 @@ def _tiny_layer(rows: int, bits: int = 4):
             *ref_quant.pack_weight(*ref_quant.quantize_weight(weight, bits), bits), bits
         )
 
-    weights = cpu.FusedLayerWeights(
-        torch.ones(hidden),
-        linear(3 * head_dim, hidden),
-        linear(hidden, head_dim),
-        torch.ones(hidden),
-        linear(2 * inter, hidden),
-        linear(hidden, inter),
+    weights = cpu.FusedLayerWeights.with_qkv_runs(
+        [linear(3 * head_dim, hidden)],
+        None,
+        input_norm=torch.ones(hidden),
+        o_proj=linear(hidden, head_dim),
+        post_attention_norm=torch.ones(hidden),
+        gate_up_proj=linear(2 * inter, hidden),
+        down_proj=linear(hidden, inter),
     )
     positions = torch.arange(rows)
     angles = torch.arange(16)[:, None] * torch.rand(head_dim // 2, generator=gen)

@@ -147,19 +147,26 @@ def _distinct_weights() -> FusedLayerWeights:
     def lin(bits: int) -> FusedLinear:
         return FusedLinear(t(), t(), t(), bits)
 
-    return FusedLayerWeights(t(), lin(4), lin(8), t(), lin(12), lin(14))
+    return FusedLayerWeights(t(), lin(12), lin(14), lin(0), t(), lin(4), t(), lin(8), lin(12))
 
 
 def test_fused_weights_pack_in_field_order():
     tensors, bits = _distinct_weights().packed
-    assert [int(x) for x in tensors] == list(range(14))
-    assert bits == [4, 8, 12, 14]
+    assert [int(x) for x in tensors] == list(range(21))
+    assert bits == [12, 14, 0, 4, 8, 12]
     names = FusedLayerWeights.field_names()
     assert [n for n in names if not n.endswith(".bits")] == [
         "input_norm",
         "qkv_proj.qweight",
         "qkv_proj.scale",
         "qkv_proj.mins",
+        "qkv_proj_1.qweight",
+        "qkv_proj_1.scale",
+        "qkv_proj_1.mins",
+        "qkv_proj_2.qweight",
+        "qkv_proj_2.scale",
+        "qkv_proj_2.mins",
+        "qkv_bias",
         "o_proj.qweight",
         "o_proj.scale",
         "o_proj.mins",
@@ -173,6 +180,8 @@ def test_fused_weights_pack_in_field_order():
     ]
     assert [n for n in names if n.endswith(".bits")] == [
         "qkv_proj.bits",
+        "qkv_proj_1.bits",
+        "qkv_proj_2.bits",
         "o_proj.bits",
         "gate_up_proj.bits",
         "down_proj.bits",
@@ -226,9 +235,9 @@ def _layer_call(weights: list[torch.Tensor], bits: list[int], hidden: int = 64):
 @needs_kernels
 def test_cpp_op_rejects_a_wrong_count_naming_the_contract():
     tensors, bits = _distinct_weights().packed
-    with pytest.raises(RuntimeError, match=r"14 weights and 4 bits expected .*got 13 and 4"):
+    with pytest.raises(RuntimeError, match=r"21 weights and 6 bits expected .*got 20 and 6"):
         _layer_call(tensors[:-1], bits)
-    with pytest.raises(RuntimeError, match=r"14 weights and 4 bits expected .*got 14 and 3"):
+    with pytest.raises(RuntimeError, match=r"21 weights and 6 bits expected .*got 21 and 5"):
         _layer_call(tensors, bits[:-1])
 
 
@@ -244,6 +253,9 @@ def test_cpp_op_rejects_a_bad_field_by_name():
         base = {
             "input_norm": norm,
             "qkv_proj": good,
+            "qkv_proj_1": FusedLinear.absent(),
+            "qkv_proj_2": FusedLinear.absent(),
+            "qkv_bias": torch.empty(0),
             "o_proj": good,
             "post_attention_norm": norm,
             "gate_up_proj": good,
@@ -267,3 +279,45 @@ def test_cpp_op_rejects_a_bad_field_by_name():
         call(qkv_proj=good._replace(scale=scale.double()))
     with pytest.raises(RuntimeError, match=r"o_proj\.mins must be float32"):
         call(o_proj=good._replace(mins=scale.half()))
+    # the further runs of q | k | v are K-quant weights or absent; the bias a float32 vector
+    with pytest.raises(RuntimeError, match=r"qkv_proj_2\.bits must be 0 \(absent\), 12 \(Q4_K\)"):
+        call(qkv_proj_2=good)
+    with pytest.raises(RuntimeError, match=r"qkv_proj_1\.qweight must be 2-D uint8 for bits 14"):
+        call(qkv_proj_1=good._replace(bits=14))
+    with pytest.raises(RuntimeError, match=r"qkv_bias must be a contiguous 1-D float32 tensor"):
+        call(qkv_bias=torch.zeros(8, dtype=torch.float64))
+    # widths: one int4 q | k | v of 192 columns (q 64, k 64, v 64) fits the call's one head
+    tiles = 192 // 8
+    qkv = FusedLinear(
+        torch.zeros(tiles, 8, 32, dtype=torch.uint8),
+        torch.zeros(tiles, 2, 8),
+        torch.zeros(tiles, 2, 8),
+        4,
+    )
+    with pytest.raises(RuntimeError, match=r"qkv_bias must be empty or \(192,\), got \(191,\)"):
+        call(qkv_proj=qkv, qkv_bias=torch.zeros(191))
+    run = FusedLinear(torch.zeros(8, 144, dtype=torch.uint8), scale, scale, 12)
+    with pytest.raises(RuntimeError, match=r"its runs give 200 columns, the heads need 192"):
+        call(qkv_proj=qkv, qkv_proj_1=run)
+
+
+def test_fused_weights_take_one_to_three_qkv_runs():
+    def lin(bits: int) -> FusedLinear:
+        return FusedLinear(torch.zeros(1), torch.zeros(1), torch.zeros(1), bits)
+
+    norm = torch.ones(4)
+    others = {
+        "input_norm": norm,
+        "o_proj": lin(4),
+        "post_attention_norm": norm,
+        "gate_up_proj": lin(4),
+        "down_proj": lin(4),
+    }
+    weights = FusedLayerWeights.with_qkv_runs([lin(12), lin(14)], None, **others)
+    assert (weights.qkv_proj.bits, weights.qkv_proj_1.bits, weights.qkv_proj_2.bits) == (12, 14, 0)
+    assert weights.qkv_proj_2.qweight.numel() == 0 and weights.qkv_bias.numel() == 0
+    bias = torch.arange(3.0)
+    assert FusedLayerWeights.with_qkv_runs([lin(4)], bias, **others).qkv_bias is bias
+    for runs in ([], [lin(12)] * 4):
+        with pytest.raises(ValueError, match=r"qkv_proj takes 1 to 3 runs, got"):
+            FusedLayerWeights.with_qkv_runs(runs, None, **others)

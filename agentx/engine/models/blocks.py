@@ -187,7 +187,8 @@ class DecoderLayer(nn.Module):
 
     The token mixer keeps its checkpoint name (``self_attn``, ``linear_attn``). Once weights
     are final, :meth:`fuse` lets the plainest shape (attention without q/k norm or gate, full
-    RoPE, a SwiGLU MLP, plain norms, every projection quantized, one rank, fp32) run as one
+    RoPE, a SwiGLU MLP, plain norms, every projection quantized, one rank, fp32; q | k | v may
+    have a bias and come as up to three K-quant runs, as Qwen2 in a Q4_K_M file) run as one
     compiled op, prefill and decode alike, so a token's numbers never depend on which path ran.
     """
 
@@ -219,17 +220,22 @@ class DecoderLayer(nn.Module):
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(lin.parallel.tp_size != 1 for lin in linears) or attn.attn.parallel.dcp_size != 1:
             return False
-        qkv, o, gate_up, down = (
-            kernels.FusedLinear(lin.qweight.data, lin.qscale.data, lin.qmin.data, lin.bits)
+        qkv_runs, o, gate_up, down = (
+            [
+                kernels.FusedLinear(qweight.data, lin.qscale.data, lin.qmin.data, bits)
+                for qweight, bits in lin.get_runs()
+            ]
             for lin in linears
         )
-        self._fused = kernels.FusedLayerWeights(
+        bias = attn.qkv_proj.bias
+        self._fused = kernels.FusedLayerWeights.with_qkv_runs(
+            qkv_runs,
+            None if bias is None else bias.data,
             input_norm=self.input_layernorm.weight.data,
-            qkv_proj=qkv,
-            o_proj=o,
+            o_proj=o[0],
             post_attention_norm=self.post_attention_layernorm.weight.data,
-            gate_up_proj=gate_up,
-            down_proj=down,
+            gate_up_proj=gate_up[0],
+            down_proj=down[0],
         )
         return True
 
@@ -249,8 +255,13 @@ class DecoderLayer(nn.Module):
             and all(n.weight.dtype == torch.float32 for n in norms)
         ):
             return False
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.bits <= 0 or lin.bias is not None for lin in linears):  # float or MIXED
+        qkv, others = attn.qkv_proj, (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.bits <= 0 or lin.bias is not None for lin in others):  # float or MIXED
+            return False
+        # q | k | v may come as K-quant runs (MIXED) and with a bias (Qwen2)
+        if not qkv.bits or len(qkv.get_runs()) > kernels.FusedLayerWeights.max_qkv_runs:
+            return False
+        if qkv.bias is not None and qkv.bias.dtype != torch.float32:
             return False
         return kernels.cpu_kernels_enabled()
 

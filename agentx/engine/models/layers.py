@@ -134,6 +134,13 @@ class QuantizableLinear(nn.Module):
         self.segment_kinds = tuple(run.kind for run in kept)
         self.bits = MIXED
 
+    def get_runs(self) -> list[tuple[torch.Tensor, int]]:
+        """A quantized weight's (qweight, bits) per run of output columns, in column order:
+        one, or one per K-quant type run when ``bits`` is ``MIXED``."""
+        if self.bits == MIXED:
+            return [(getattr(self, f"qweight_{i}"), k) for i, k in enumerate(self.segment_kinds)]
+        return [(self.qweight, self.bits)]
+
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.bits:
             return nn.functional.linear(x, self.weight, self.bias)
@@ -142,13 +149,12 @@ class QuantizableLinear(nn.Module):
         if self.bits == MIXED:
             y = torch.cat(
                 [
-                    kernels.quantized_linear(
-                        rows, getattr(self, f"qweight_{i}"), self.qscale, self.qmin, None, kind
-                    )
-                    for i, kind in enumerate(self.segment_kinds)
+                    kernels.quantized_linear(rows, qweight, self.qscale, self.qmin, None, kind)
+                    for qweight, kind in self.get_runs()
                 ],
                 dim=-1,
             )
+            # added after the matmul, as the single-run kernels and the fused layer add it
             y = y if bias is None else y + bias
         else:
             y = kernels.quantized_linear(

@@ -5,20 +5,27 @@ The C++ op takes them as two flat lists, ``Tensor[] weights`` and ``int[] bits``
 same fields, ``layer_fields``, and ``torch.ops.agentx.fused_layer_fields()`` names them: a test
 keeps the two equal)::
 
-    weights  input_norm | qkv_proj (qweight, scale, mins) | o_proj (3) | post_attention_norm
-             | gate_up_proj (3) | down_proj (3)
-    bits     qkv_proj | o_proj | gate_up_proj | down_proj
+    weights  input_norm | qkv_proj (qweight, scale, mins) | qkv_proj_1 (3) | qkv_proj_2 (3)
+             | qkv_bias | o_proj (3) | post_attention_norm | gate_up_proj (3) | down_proj (3)
+    bits     qkv_proj | qkv_proj_1 | qkv_proj_2 | o_proj | gate_up_proj | down_proj
+
+The q | k | v columns come in up to three runs (a Q4_K_M file ships q and k as Q4_K and v as
+Q6_K in some layers), each multiplied straight into its columns::
+
+    qkv   | qkv_proj columns | qkv_proj_1 columns | qkv_proj_2 columns |  (+ qkv_bias)
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple, get_type_hints
+from typing import ClassVar, NamedTuple, get_type_hints
 
 import torch
 
 __all__ = ["FusedLayerWeights", "FusedLinear"]
+
+_NO_BITS = 0  # FusedLinear.bits of a run that is not there
 
 
 class FusedLinear(NamedTuple):
@@ -31,15 +38,29 @@ class FusedLinear(NamedTuple):
     mins: torch.Tensor
     bits: int
 
+    @classmethod
+    def absent(cls) -> FusedLinear:
+        """No projection (``bits`` 0): the unused runs of ``qkv_proj``."""
+        empty = torch.empty(0)
+        return cls(torch.empty(0, dtype=torch.uint8), empty, empty, _NO_BITS)
+
 
 @dataclass(frozen=True, slots=True)
 class FusedLayerWeights:
     """A pre-norm SwiGLU layer's weights: the two RMSNorm scales (float32, (hidden,)) and the
-    four projections, in the order the layer runs them. ``packed`` holds the op's two lists,
-    built once here rather than on every call."""
+    four projections, in the order the layer runs them. The q | k | v projection is
+    ``qkv_proj``'s columns, then ``qkv_proj_1``'s and ``qkv_proj_2``'s (K-quant runs, or
+    :meth:`FusedLinear.absent`), plus ``qkv_bias`` (float32 (q + 2 kv,), or empty: none) added
+    after the matmul. ``packed`` holds the op's two lists, built once here rather than on every
+    call. :meth:`with_qkv_runs` fills the runs from a list."""
+
+    max_qkv_runs: ClassVar[int] = 3  # qkv_proj, qkv_proj_1, qkv_proj_2
 
     input_norm: torch.Tensor
     qkv_proj: FusedLinear
+    qkv_proj_1: FusedLinear
+    qkv_proj_2: FusedLinear
+    qkv_bias: torch.Tensor
     o_proj: FusedLinear
     post_attention_norm: torch.Tensor
     gate_up_proj: FusedLinear
@@ -59,6 +80,20 @@ class FusedLayerWeights:
             else:
                 tensors.append(value)
         object.__setattr__(self, "packed", (tensors, bits))
+
+    @classmethod
+    def with_qkv_runs(
+        cls, qkv_runs: list[FusedLinear], qkv_bias: torch.Tensor | None, **fields
+    ) -> FusedLayerWeights:
+        """The record with q | k | v given as 1 to 3 runs of columns (the rest absent) and an
+        optional bias; ``fields`` are the other fields by name."""
+        if not 1 <= len(qkv_runs) <= cls.max_qkv_runs:
+            raise ValueError(f"qkv_proj takes 1 to {cls.max_qkv_runs} runs, got {len(qkv_runs)}")
+        runs = [*qkv_runs] + [FusedLinear.absent()] * (cls.max_qkv_runs - len(qkv_runs))
+        bias = torch.empty(0) if qkv_bias is None else qkv_bias
+        return cls(
+            qkv_proj=runs[0], qkv_proj_1=runs[1], qkv_proj_2=runs[2], qkv_bias=bias, **fields
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -1,8 +1,8 @@
 """The real coding model (Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M) with its K-quant weights
 kept quantized: the file's Q4_K / Q6_K tensors come back as their blocks, the kernel equals the
-reference on real rows, the engine keeps ~the file's size in weights and writes sensible code,
-the same tokens alone and batched. Skips when the model is not pulled (`agentx models pull
-qwen2.5-coder-1.5b`)."""
+reference on real rows, every layer runs as the fused decoder-layer op, the engine keeps ~the
+file's size in weights and writes sensible code, the same tokens alone and batched. Skips when
+the model is not pulled (`agentx models pull qwen2.5-coder-1.5b`)."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,7 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 
 from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, model_store
+from agentx.engine.models.blocks import DecoderLayer
 from agentx.engine.models.layers import MIXED, QuantizableLinear
 from agentx.engine.models.loader import load_checkpoint
 from agentx.engine.models.loader.gguf_file import GGUFFile
@@ -61,6 +62,10 @@ def test_engine_keeps_kquants_and_writes_code():
         model = engine.core.runner.model
         linears = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
         assert {m.bits for m in linears} == {kquant.Q4_K, kquant.Q6_K, MIXED}
+        # every layer runs as the fused op: q | k | v with its bias, in one run or two
+        layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+        assert len(layers) == 28 and all(layer._fused is not None for layer in layers)
+        assert {layer.self_attn.qkv_proj.bits for layer in layers} == {kquant.Q4_K, MIXED}
         weight_bytes = sum(t.nbytes for t in model.buffers()) + sum(
             t.nbytes for t in model.parameters()
         )

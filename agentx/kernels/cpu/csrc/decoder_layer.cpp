@@ -1,6 +1,6 @@
 // One pre-norm decoder layer in one call, for decode and prefill rows alike:
 //
-//   h = RMSNorm(x) -> qkv = h Wqkv^T -> RoPE(q, k) -> write k, v to the paged cache
+//   h = RMSNorm(x) -> qkv = h Wqkv^T (+ b) -> RoPE(q, k) -> write k, v to the paged cache
 //     -> o = paged attention(q) -> x = x + o Wo^T
 //   h = RMSNorm(x) -> [g | u] = h Wgu^T -> a = silu(g) * u -> x = x + a Wdown^T
 //
@@ -128,6 +128,12 @@ void add_rows(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
+// y[r] += b for `rows` rows of b's width, ld floats apart: one fp32 add an element after the
+// matmul, as kquant_linear's y.add_(bias) (the unfused layer's arithmetic)
+void add_bias_rows(float* y, int64_t ld, int64_t rows, const float* b, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) add_rows(y + r * ld, b, width);
+}
+
 // Opt-in stage timings (benchmarks/step_profile.py): nanoseconds per stage, summed over calls.
 enum Stage { kNorms, kGemms, kRopeWriteKv, kAttention, kElementwise, kStages };
 std::atomic<bool> g_profiling{false};
@@ -155,9 +161,13 @@ at::Tensor layer_stage_times(bool on) {
 // layer_fields() walks them, which is the order of FusedLayerWeights' fields on the Python side
 // (kernels/cpu/fused_layer.py; a test compares the two through fused_layer_fields()):
 //
-//   weights  input_norm | qkv_proj (qweight, scale, mins) | o_proj (3) | post_attention_norm
-//            | gate_up_proj (3) | down_proj (3)
-//   bits     qkv_proj | o_proj | gate_up_proj | down_proj   (4, 8, or a K-quant type id)
+//   weights  input_norm | qkv_proj (qweight, scale, mins) | qkv_proj_1 (3) | qkv_proj_2 (3)
+//            | qkv_bias | o_proj (3) | post_attention_norm | gate_up_proj (3) | down_proj (3)
+//   bits     qkv_proj | qkv_proj_1 | qkv_proj_2 | o_proj | gate_up_proj | down_proj
+//            (4, 8, or a K-quant type id; 0 for an absent run)
+//
+// q | k | v is qkv_proj's columns, then each present run's (K-quant only), then + qkv_bias
+// (empty: none):   | qkv_proj | qkv_proj_1 | qkv_proj_2 |
 struct QuantLinear {
   const at::Tensor& qweight;
   const at::Tensor& scale;  // K-quant: unused
@@ -171,6 +181,9 @@ struct QuantLinear {
 struct LayerWeights {
   const at::Tensor& input_norm;
   QuantLinear qkv_proj;
+  QuantLinear qkv_proj_1;  // bits 0: absent
+  QuantLinear qkv_proj_2;
+  const at::Tensor& qkv_bias;  // (qkv width,) or empty
   QuantLinear o_proj;
   const at::Tensor& post_attention_norm;
   QuantLinear gate_up_proj;
@@ -182,9 +195,11 @@ struct LayerWeights {
 // initializers run left to right, so `fields` sees them in order.
 template <typename Fields>
 LayerWeights layer_fields(Fields& fields) {
-  return LayerWeights{fields.norm("input_norm"),    fields.linear("qkv_proj"),
-                      fields.linear("o_proj"),      fields.norm("post_attention_norm"),
-                      fields.linear("gate_up_proj"), fields.linear("down_proj")};
+  return LayerWeights{fields.norm("input_norm"),       fields.linear("qkv_proj"),
+                      fields.run("qkv_proj_1"),        fields.run("qkv_proj_2"),
+                      fields.bias("qkv_bias"),         fields.linear("o_proj"),
+                      fields.norm("post_attention_norm"), fields.linear("gate_up_proj"),
+                      fields.linear("down_proj")};
 }
 
 const at::Tensor& no_tensor() {
@@ -201,6 +216,7 @@ struct FieldNames {
     ++tensors;
     return no_tensor();
   }
+  const at::Tensor& bias(const char* name) { return norm(name); }
   QuantLinear linear(const char* name) {
     for (const char* part : {".qweight", ".scale", ".mins", ".bits"}) {
       names.push_back(std::string(name) + part);
@@ -209,6 +225,7 @@ struct FieldNames {
     ++linears;
     return QuantLinear{no_tensor(), no_tensor(), no_tensor(), 0};
   }
+  QuantLinear run(const char* name) { return linear(name); }
 };
 
 const FieldNames& field_names() {
@@ -257,6 +274,28 @@ struct Unpack {
     }
     return lin;
   }
+
+  // A further run of a projection's columns: absent (bits 0) or a K-quant weight.
+  QuantLinear run(const char* name) {
+    if (bits[b] == 0) {
+      const QuantLinear absent{weights[t], weights[t + 1], weights[t + 2], 0};
+      t += 3;
+      ++b;
+      return absent;
+    }
+    TORCH_CHECK(is_kquant(bits[b]), "fused_decoder_layer: ", name, ".bits must be 0 (absent), ",
+                kQ4K, " (Q4_K) or ", kQ6K, " (Q6_K), got ", bits[b]);
+    return linear(name);
+  }
+
+  // float32 (width,) added after a projection, or empty; its width is checked by the caller
+  const at::Tensor& bias(const char* name) {
+    const at::Tensor& w = weights[t++];
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous(),
+                "fused_decoder_layer: ", name, " must be a contiguous 1-D float32 tensor, got ",
+                w.scalar_type(), " ", w.sizes());
+    return w;
+  }
 };
 
 LayerWeights unpack_layer_weights(at::TensorList weights, at::IntArrayRef bits, int64_t hidden) {
@@ -287,13 +326,19 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous(), "cos_sin: fp32");
   const int64_t rows = x.size(0), hidden = x.size(1);
   const LayerWeights w = unpack_layer_weights(weights, bits, hidden);
-  const QuantLinear &qkv = w.qkv_proj, &o_proj = w.o_proj;
-  const QuantLinear &gate_up = w.gate_up_proj, &down = w.down_proj;
+  const QuantLinear &o_proj = w.o_proj, &gate_up = w.gate_up_proj, &down = w.down_proj;
+  const QuantLinear* qkv_runs[] = {&w.qkv_proj, &w.qkv_proj_1, &w.qkv_proj_2};
   const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_head_dim(kv_cache);
   TORCH_CHECK(cos_sin.size(1) == head_dim, "RoPE table must cover the whole head");
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
-  const int64_t qkv_width = qkv.out_features(), inter = gate_up.out_features() / 2;
-  TORCH_CHECK(qkv_width == q_width + 2 * kv_width, "qkv_proj width mismatch");
+  int64_t qkv_width = 0;
+  for (const QuantLinear* run : qkv_runs) qkv_width += run->bits ? run->out_features() : 0;
+  const int64_t inter = gate_up.out_features() / 2;
+  TORCH_CHECK(qkv_width == q_width + 2 * kv_width, "qkv_proj width mismatch: its runs give ",
+              qkv_width, " columns, the heads need ", q_width + 2 * kv_width);
+  const int64_t bias_width = w.qkv_bias.numel();
+  TORCH_CHECK(bias_width == 0 || bias_width == qkv_width, "fused_decoder_layer: qkv_bias must be ",
+              "empty or (", qkv_width, ",), got (", bias_width, ",)");
   TORCH_CHECK(o_proj.out_features() == hidden && down.out_features() == hidden,
               "output width mismatch");
   TORCH_CHECK(positions.numel() == rows && slot_mapping.numel() == rows,
@@ -318,9 +363,18 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   // attention half
   rms_norm_rows(xo, w.input_norm.data_ptr<float>(), rows, hidden, feps, h);
   clock.lap(kNorms);
-  quantized_linear_into(h, rows, hidden, qkv.qweight, qkv.scale, qkv.mins, qkv.bits,
-                        buf, qkv_width);
+  int64_t column = 0;
+  for (const QuantLinear* run : qkv_runs) {
+    if (!run->bits) continue;
+    quantized_linear_into(h, rows, hidden, run->qweight, run->scale, run->mins, run->bits,
+                          buf + column, qkv_width);
+    column += run->out_features();
+  }
   clock.lap(kGemms);
+  if (bias_width) {
+    add_bias_rows(buf, qkv_width, rows, w.qkv_bias.data_ptr<float>(), qkv_width);
+    clock.lap(kElementwise);
+  }
   rope_rows(buf, qkv_width, rows, num_heads + num_kv_heads, head_dim,
             cos_sin.data_ptr<float>(), pos);
   if (kv_cache.scalar_type() == at::kChar) {

@@ -17,8 +17,9 @@ back only the filled ones::
 
 all_gather: every rank gathers every rank's rows (padded to the longest), computes its experts'
 slots over all of them, one all-reduce fills every slot everywhere (each slot non-zero on one
-rank: exact) and a rank keeps its own rows. It moves every token to every rank and ``world`` times
-the slots of an all-to-all, but costs two collectives a layer instead of three.
+rank: exact) and a rank keeps its own rows. Three collectives a layer either way (the row counts,
+the rows, the slots); the all-gather moves every token to every rank and all-reduces ``world``
+times the slots, the all-to-all only what each rank needs (benchmarks/dep_bench.py compares).
 
 Why greedy tokens stay ep=1's: an expert sees the step's tokens routed to it (the same rows as at
 ep=1, in another order: by source rank), each slot keeps its own value, and the source adds a

@@ -10,7 +10,6 @@ that lands on both ranks, prefix hits and preemption. Every process runs one tor
 worker killed mid-step gives EngineDeadError and leaves no process behind.
 """
 
-import os
 import socket
 from dataclasses import replace
 
@@ -26,6 +25,7 @@ from agentx import (
     ParallelConfig,
     SamplingParams,
     SchedulerConfig,
+    env,
 )
 from agentx.engine.executors.dep import ALL_RANKS, AttentionRankManager
 from agentx.engine.executors.worker import WorkerCall
@@ -181,7 +181,7 @@ def _experts():
 
 def _dispatch_rank(rank: int, port: int, sizes: tuple[int, int], how: str, queue) -> None:
     torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    env.pin_gloo_to_loopback()
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
     )

@@ -76,7 +76,7 @@ def dispatch_all_to_all(
     dist.all_to_all_single(returned, back.contiguous(), ret_sizes, back_sizes, group=group)
     slots = torch.empty_like(returned)  # (T*k, D): token t's j-th at t*k + j
     slots[dest.flatten().argsort(stable=True)] = returned  # the pairs by dest rank, then row-major
-    return slots.view(num_tokens, top_k, -1)
+    return slots.view(num_tokens, top_k, x.shape[1])
 
 
 def dispatch_all_gather(

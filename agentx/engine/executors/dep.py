@@ -38,6 +38,9 @@ class AttentionRankManager:
         self.rank_of: dict[str, int] = {}
         self.num_requests = [0] * num_ranks  # requests placed on each rank
         self.block_owner: dict[int, int] = {}  # block id -> the rank holding its KV
+        # hit blocks a request's rank lacks: (block id, from rank, to rank), copied before the
+        # step runs (take_copies)
+        self._copies: list[tuple[int, int, int]] = []
 
     def split(self, out: SchedulerOutput) -> list[SchedulerOutput]:
         """One SchedulerOutput per rank: its requests' items, and the ended requests (plus
@@ -124,21 +127,35 @@ class AttentionRankManager:
         rank = self._hit_rank(item)
         if rank is None:
             rank = min(range(self.num_ranks), key=lambda r: (self.num_requests[r], r))
+        self._copies.extend((b, o, rank) for b, o in self._hit_owners(item) if o != rank)
         if old is not None and old != rank:
             moved[old].add(rid)
         self.rank_of[rid] = rank
         self.num_requests[rank] += 1
         return rank
 
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """Drain the hit blocks to copy between ranks before this step: (block id, from, to)."""
+        copies, self._copies = self._copies, []
+        return copies
+
     def _hit_rank(self, item: ScheduledRequest) -> int | None:
         """The rank holding the request's prefix hit, None when no hit block has one."""
+        owners = [o for _, o in self._hit_owners(item)]
+        return owners[-1] if owners else None
+
+    def _hit_owners(self, item: ScheduledRequest) -> list[tuple[int, int]]:
+        """(block id, rank) of the request's hit blocks that one rank holds. Two requests
+        that computed the same prefix in one step on two ranks leave a cached chain on both
+        (the prefix on one, a suffix on the other): its blocks are copied (take_copies)."""
         num_hit_blocks = -(-item.start_position // self.block_size)
+        found = []
         for block_ids in item.new_block_ids:
             for block_id in block_ids[:num_hit_blocks]:
                 owner = self.owner_of(block_id)
                 if block_id and owner != ALL_RANKS:
-                    return owner
-        return None
+                    found.append((block_id, owner))
+        return found
 
     def _drop(self, rid: str) -> None:
         rank = self.rank_of.pop(rid, None)

@@ -104,11 +104,24 @@ class MultiprocExecutor(Executor):
             return self._call(WorkerCall("execute", (out, sent)))
         parts = self._dep.split(out)  # places new requests: before their masks are split
         part_masks = self._dep.split_masks(sent)
+        self._copy_between_ranks(self._dep.take_copies())
         calls = [
             WorkerCall("execute_dep", (part, part_mask), gather=True)
             for part, part_mask in zip(parts, part_masks, strict=True)
         ]
         return AttentionRankManager.merge(self._call(calls))
+
+    def _copy_between_ranks(self, copies: list[tuple[int, int, int]]) -> None:
+        """DEP: copy hit blocks to the rank that runs the request (executors/dep.py)."""
+        for src in range(self.world_size):
+            for dst in range(self.world_size):
+                ids = [b for b, s, d in copies if (s, d) == (src, dst)]
+                if not ids:
+                    continue
+                pages = self._call(WorkerCall("gather_pages", (ids,), gather=True))[src]
+                calls = [WorkerCall("ping")] * self.world_size
+                calls[dst] = WorkerCall("scatter_pages", (ids, pages))
+                self._call(calls)
 
     def forget(self, request_ids: frozenset[str]) -> None:
         if request_ids:

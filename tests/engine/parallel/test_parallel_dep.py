@@ -127,6 +127,19 @@ def test_a_prefix_hit_runs_where_its_blocks_are():
     assert dep.owner_of(20) == 1
 
 
+def test_a_hit_chain_on_two_ranks_is_copied_to_the_chosen_one():
+    """a and b compute the same first block in one step (a on 0, b on 1); the cache keeps a's
+    block 1 and chains b's block 4 after it. c hits both: it runs on rank 1 (the deepest hit
+    block's), and block 1 is copied there from rank 0 first."""
+    dep = AttentionRankManager(2, block_size=16)
+    dep.split(_step(_item("a", [1, 2]), _item("b", [3, 4])))
+    assert dep.take_copies() == []
+    parts = dep.split(_step(_item("c", [1, 4, 5], start=32)))
+    assert _ids(parts) == [[], ["c"]]
+    assert dep.take_copies() == [(1, 0, 1)]
+    assert dep.take_copies() == [] and dep.owner_of(1) == 1
+
+
 def test_a_preempted_request_that_moves_leaves_its_old_rank():
     dep = AttentionRankManager(2, block_size=16)
     dep.split(_step(_item("a", [1]), _item("b", [2]), _item("c", [3])))  # a, c on 0; b on 1

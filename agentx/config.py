@@ -331,6 +331,7 @@ class SpeculativeConfig:
 
 
 _PARALLEL_BACKENDS = ("auto", "gloo", "nccl")
+_MOE_DISPATCHES = ("all_to_all", "all_gather")
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +355,19 @@ class ParallelConfig:
     greedy tokens stay bit for bit those of ``ep=1``). The model must have MoE layers and
     ``ep`` must divide their expert count: checked before any worker starts (ConfigError).
 
+    ``dp_attention=True`` (DEP, needs ``ep > 1``) makes the same ``ep`` ranks data parallel
+    outside the MoE layers: each request runs on one rank (sticky; a new request goes to the
+    rank holding its prefix hit, else to the rank with the fewest requests), which computes
+    its embedding, attention, norms, dense and shared-expert MLPs, LM head and sampling, and
+    writes its KV. In each MoE layer a rank sends each of its tokens to the ranks holding its
+    top-k experts and gets the weighted expert outputs back (``moe_dispatch``: "all_to_all",
+    each token to the ranks of its experts only, or "all_gather", every token to every rank
+    then an all-reduce of the slots); a rank with no request in a step still serves its
+    experts. The scheduler and the KV manager keep one block-id space: a block's KV is on the
+    rank that wrote it (each rank's pool is written only for its own requests), offload pages
+    are read from that rank and written to all (engine/executors/dep.py). Greedy tokens are
+    ``ep=1``'s (engine/parallel/moe_dispatch.py says why).
+
     ``tp`` and ``dcp`` combine (world ``tp * dcp``, tensor parallel innermost: ``rank =
     dcp_rank * tp + tp_rank``): rank (d, t) holds TP shard t's heads of the positions p with
     ``p % dcp == d``; TP all-reduces run in the tp group of one d, the DCP attention merge in
@@ -376,6 +390,8 @@ class ParallelConfig:
     ep: int = 1
     dp: int = 1
     backend: str = "auto"
+    dp_attention: bool = False
+    moe_dispatch: str = "all_to_all"
 
     def __post_init__(self) -> None:
         for name in ("tp", "dcp", "pcp", "ep", "dp"):
@@ -388,6 +404,16 @@ class ParallelConfig:
             )
         if self.ep > 1 and self.tp * self.dcp * self.pcp > 1:
             raise ConfigError("parallel.ep combines with no other degree yet (tp, dcp, pcp = 1)")
+        if not isinstance(self.dp_attention, bool):
+            raise ConfigError(f"parallel.dp_attention must be a bool, got {self.dp_attention!r}")
+        if self.dp_attention and self.ep == 1:
+            raise ConfigError("parallel.dp_attention runs on the ep ranks: it needs ep > 1")
+        if self.moe_dispatch not in _MOE_DISPATCHES:
+            raise ConfigError(
+                f"parallel.moe_dispatch must be one of {_MOE_DISPATCHES}, got {self.moe_dispatch!r}"
+            )
+        if self.moe_dispatch != "all_to_all" and not self.dp_attention:
+            raise ConfigError("parallel.moe_dispatch applies only with dp_attention=True")
         if self.pcp > 1 and (self.dcp != self.pcp or self.tp > 1):
             raise ConfigError(
                 f"parallel.pcp={self.pcp} runs on the dcp ranks: it needs dcp == pcp and tp == 1 "

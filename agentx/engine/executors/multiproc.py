@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from agentx.config import EngineConfig
+from agentx.engine.executors.dep import AttentionRankManager
 from agentx.engine.executors.executor import Executor
 from agentx.engine.executors.worker import (
     CLOSE,
@@ -49,8 +50,10 @@ class MultiprocExecutor(Executor):
         self.spec = spec
         self.world_size = config.parallel.world_size
         # expert parallel replicates attention: every rank holds the same KV, one rank's page is
-        # the block (gathered from rank 0, scattered to all)
+        # the block (gathered from rank 0, scattered to all); with data-parallel attention a
+        # rank's page too, gathered from the rank that wrote it (dep.py)
         self._kv_replicated = config.parallel.ep > 1
+        self._dep: AttentionRankManager | None = None
         self._lock = threading.Lock()
         self._dead: str | None = None
         self._closed = False
@@ -82,6 +85,8 @@ class MultiprocExecutor(Executor):
         self.layout = readies[0].layout
         self.max_model_len = readies[0].max_model_len
         self._page_bytes = [r.page_bytes for r in readies]  # ranks may hold different heads
+        if config.parallel.dp_attention:
+            self._dep = AttentionRankManager(self.world_size, self.layout.block_size)
 
     @property
     def pids(self) -> list[int]:
@@ -95,23 +100,54 @@ class MultiprocExecutor(Executor):
 
     def execute(self, out: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
         sent = None if masks is None else (masks.request_ids, masks.future.result())
-        return self._call(WorkerCall("execute", (out, sent)))
+        if self._dep is None:
+            return self._call(WorkerCall("execute", (out, sent)))
+        parts = self._dep.split(out)  # places new requests: before their masks are split
+        part_masks = self._dep.split_masks(sent)
+        self._copy_between_ranks(self._dep.take_copies())
+        calls = [
+            WorkerCall("execute_dep", (part, part_mask), gather=True)
+            for part, part_mask in zip(parts, part_masks, strict=True)
+        ]
+        return AttentionRankManager.merge(self._call(calls))
+
+    def _copy_between_ranks(self, copies: list[tuple[int, int, int]]) -> None:
+        """DEP: copy hit blocks to the rank that runs the request (executors/dep.py)."""
+        for src in range(self.world_size):
+            for dst in range(self.world_size):
+                ids = [b for b, s, d in copies if (s, d) == (src, dst)]
+                if not ids:
+                    continue
+                pages = self._call(WorkerCall("gather_pages", (ids,), gather=True))[src]
+                calls = [WorkerCall("ping")] * self.world_size
+                calls[dst] = WorkerCall("scatter_pages", (ids, pages))
+                self._call(calls)
 
     def forget(self, request_ids: frozenset[str]) -> None:
         if request_ids:
+            if self._dep is not None:
+                self._dep.forget(request_ids)
             self._call(WorkerCall("forget", (request_ids,)))
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         if copies:
+            if self._dep is not None:
+                self._dep.copy_blocks(copies)
             self._call(WorkerCall("copy_blocks", (copies,)))
 
     def gather_pages(self, block_ids: list[int]) -> torch.Tensor:
+        if self._dep is not None:  # each block from the rank that wrote it
+            parts = self._call(WorkerCall("gather_pages", (block_ids,), gather=True))
+            owners = [max(self._dep.owner_of(b), 0) for b in block_ids]
+            return torch.stack([parts[r][i] for i, r in enumerate(owners)])
         if self._kv_replicated:
             return self._call(WorkerCall("gather_pages", (block_ids,)))  # rank 0's
         parts = self._call(WorkerCall("gather_pages", (block_ids,), gather=True))
         return torch.cat(parts, dim=1)  # (n, sum of the ranks' page bytes)
 
     def scatter_pages(self, block_ids: list[int], pages: torch.Tensor) -> None:
+        if self._dep is not None:
+            self._dep.mark_everywhere(block_ids)
         if self._kv_replicated:
             self._call(WorkerCall("scatter_pages", (block_ids, pages)))
             return
@@ -123,7 +159,11 @@ class MultiprocExecutor(Executor):
         self._call(WorkerCall("warm_up"))
 
     def get_request_ids(self) -> set[str]:
-        return self._call(WorkerCall("get_request_ids"))
+        if self._dep is None:
+            return self._call(WorkerCall("get_request_ids"))
+        rows = self._call(WorkerCall("get_request_ids", gather=True))
+        self._dep.check_integrity(rows)
+        return set().union(*rows)
 
     # ---- calls ---------------------------------------------------------------------------
 

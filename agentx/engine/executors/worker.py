@@ -83,6 +83,15 @@ class RankRunner:
             grammar = GrammarMasks(masks[0], future)
         return self.runner.execute(out, grammar)
 
+    def execute_dep(
+        self, out: SchedulerOutput, masks: tuple[list[str], torch.Tensor] | None
+    ) -> ModelRunnerOutput:
+        """Data-parallel attention: this rank's share of the step (executors/dep.py); with
+        none, it still serves its experts to the other ranks."""
+        if out.scheduled:
+            return self.execute(out, masks)
+        return self.runner.execute_idle(out)
+
     def forget(self, request_ids: frozenset[str]) -> None:
         self.runner.forget(request_ids)
 
@@ -158,7 +167,13 @@ def rank_state(config: EngineConfig, rank: int) -> ParallelState:
     """
     if config.parallel.ep > 1:  # ep is the world on its own (ParallelConfig)
         world = torch.distributed.group.WORLD
-        return ParallelState(ep_rank=rank, ep_size=config.parallel.ep, ep_group=world)
+        return ParallelState(
+            ep_rank=rank,
+            ep_size=config.parallel.ep,
+            ep_group=world,
+            dp_attention=config.parallel.dp_attention,
+            moe_dispatch=config.parallel.moe_dispatch,
+        )
     tp, dcp = config.parallel.tp, config.parallel.dcp
     dcp_rank, tp_rank = divmod(rank, tp)
     tp_groups = [_new_group([d * tp + t for t in range(tp)]) for d in range(dcp)]

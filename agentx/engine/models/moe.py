@@ -22,6 +22,11 @@ local and one collective combines. Reducing (T, k, D) slots rather than (T, D) p
 k times the bytes but keeps ep=N bit for bit equal to ep=1 (a partial sum per rank would add the
 experts in another order). An all-to-all pays off once tokens are sharded (data-parallel
 attention): then each token travels only to the ranks of its k experts.
+
+Data-parallel attention (``parallel.dp_attention``, DEP): a rank arrives with its own requests'
+tokens only; its slots come back from the ranks of their experts (``parallel/moe_dispatch.py``)
+and it sums them as above. A rank with no tokens in a step still serves the others' through
+:meth:`SparseMoeBlock.forward_idle`, layer by layer in the same order.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch import nn
 from agentx import kernels
 from agentx.engine.models.blocks import GatedMLP
 from agentx.engine.parallel import ParallelState
+from agentx.engine.parallel.moe_dispatch import dispatch_all_gather, dispatch_all_to_all
 from agentx.errors import ModelLoadError
 
 
@@ -108,13 +114,29 @@ class FusedExperts(nn.Module):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """x (T, D), routing (T, k) -> (T, D): the weighted sum of each token's experts."""
-        if self.parallel.ep_size == 1:
+        parallel = self.parallel
+        if parallel.ep_size == 1:
             return kernels.moe_experts(x, self.w13, self.w2, topk_weights, topk_ids)
-        slots = kernels.moe_expert_slots(
-            x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start
-        )  # (T, k, D)
-        self.parallel.ep_all_reduce(slots)
+        if not parallel.dp_attention:
+            slots = self._local_slots(x, topk_weights, topk_ids)  # (T, k, D)
+            parallel.ep_all_reduce(slots)
+        elif parallel.moe_dispatch == "all_gather":
+            slots = dispatch_all_gather(
+                x, topk_weights, topk_ids, parallel.ep_rank, self._local_slots, parallel.ep_group
+            )
+        else:
+            slots = dispatch_all_to_all(
+                x, topk_weights, topk_ids, self.num_local, self._local_slots, parallel.ep_group
+            )
         return kernels.sum_expert_slots(slots, topk_ids)
+
+    def _local_slots(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """(T, k, D): the slots of this rank's experts, zeros elsewhere."""
+        return kernels.moe_expert_slots(
+            x, self.w13, self.w2, topk_weights, topk_ids, self.expert_start
+        )
 
 
 class SparseMoeBlock(nn.Module):
@@ -138,6 +160,14 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, parallel)
         self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, parallel, dtype)
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype)
+
+    def forward_idle(self) -> None:
+        """DEP, a step without tokens on this rank: serve the other ranks' tokens routed to
+        this rank's experts (the layer's collectives, with no rows of its own)."""
+        weight = self.gate.weight  # (E, D): the hidden states' dtype and width
+        x = weight.new_zeros(0, weight.shape[1])
+        ids = torch.zeros(0, self.top_k, dtype=torch.long, device=weight.device)
+        self.experts(x, ids.float(), ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, D) -> (T, D)."""

@@ -42,6 +42,11 @@ class ParallelState:
     ep_rank: int = 0
     ep_size: int = 1
     ep_group: Any = None
+    # data-parallel attention over the ep ranks (DEP): each rank runs its own requests' rows,
+    # MoE layers send tokens to their experts' ranks (moe_dispatch.py: "all_to_all" or
+    # "all_gather")
+    dp_attention: bool = False
+    moe_dispatch: str = "all_to_all"
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:

@@ -19,6 +19,7 @@ from agentx.engine.kv_cache import BlockCopy, FullAttentionSpec, KVCacheLayout, 
 from agentx.engine.models.blocks import DecoderLayer
 from agentx.engine.models.forward_context import ForwardContext, forward_context
 from agentx.engine.models.layers import QuantizableLinear
+from agentx.engine.models.moe import SparseMoeBlock
 from agentx.engine.models.registry import get_model_class
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.outputs import (
@@ -184,6 +185,19 @@ class ModelRunner:
         return PrefillSplit.build(
             query_lens, parallel.pcp_size, parallel.dcp_rank, parallel.dcp_group
         )
+
+    @torch.inference_mode()
+    def execute_idle(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """A step with none of its requests on this rank (data-parallel attention): drop the
+        ended ones and serve the other ranks' tokens in every MoE layer, in layer order, as
+        their forward reaches it."""
+        self._set_step_threads(0)
+        for rid in out.finished_request_ids:
+            self.input_batch.remove(rid)
+        for block in self.model.modules():
+            if isinstance(block, SparseMoeBlock):
+                block.forward_idle()
+        return ModelRunnerOutput({})
 
     def warm_up(self) -> None:
         """One small forward outside the scheduler (``warmup.py``), before the first step."""

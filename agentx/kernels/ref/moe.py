@@ -81,7 +81,7 @@ def moe_expert_slots(
         tokens = slots // top_k
         y = _expert_mlp(x[tokens], w13[expert], w2[expert])  # (n, D)
         out[slots] = y * topk_weights.flatten()[slots, None].to(y.dtype)
-    return out.view(num_tokens, top_k, -1)
+    return out.view(num_tokens, top_k, x.shape[1])
 
 
 def sum_expert_slots(slots: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

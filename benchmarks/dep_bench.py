@@ -124,7 +124,7 @@ def _num_blocks(args: argparse.Namespace) -> int:
 
 
 def _workloads(
-    args: argparse.Namespace, tag: int, num_groups: int
+    args: argparse.Namespace, tag: int, num_groups: int, block_size: int
 ) -> dict[str, tuple[list[SchedulerOutput], list[SchedulerOutput]]]:
     """Per workload: (untimed set-up steps, timed steps)."""
     generator = torch.Generator().manual_seed(tag)
@@ -134,7 +134,7 @@ def _workloads(
         return torch.randint(3, 4096, (n,), generator=generator).tolist()
 
     def blocks(n_tokens: int) -> tuple[list[int], ...]:  # each KV group its own blocks
-        n = -(-n_tokens // _BLOCK)
+        n = -(-n_tokens // block_size)
         return tuple([next(next_block) for _ in range(n)] for _ in range(num_groups))
 
     def step(items: list[ScheduledRequest]) -> SchedulerOutput:
@@ -199,13 +199,16 @@ def _run_rank(rank: int, mode: str, folder: str, args: argparse.Namespace, port:
     runner = RankRunner(ModelRunner(config, checkpoint.spec, checkpoint.weights, **extra))
     runner.warm_up()
     clock = _CommClock() if world > 1 else None
-    dep = AttentionRankManager(world, _BLOCK) if parallel_config.dp_attention else None
+    # the layout may widen blocks past --block 16 (a hybrid model's attention page grows to the
+    # linear state's size): steps are built with the runner's own block size
+    block_size = runner.runner.input_batch.block_size
+    dep = AttentionRankManager(world, block_size) if parallel_config.dp_attention else None
     times: dict[str, list[float]] = {}
     comms: dict[str, list[float]] = {}
     calls: dict[str, int] = {}
     num_groups = len(runner.runner.layout.groups)
     for i in range(args.repeat + 1):  # the first is a warm-up at full size
-        for name, (setup, timed) in _workloads(args, i, num_groups).items():
+        for name, (setup, timed) in _workloads(args, i, num_groups, block_size).items():
             for step in setup:
                 _execute(runner, dep, rank, step)
             if world > 1:

@@ -162,4 +162,6 @@ def test_tp2_at_module_level_without_a_main_guard_says_to_add_it(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert re.match(r"agentx.errors.EngineDeadError: worker rank [01] exited while importing", last)
     assert 'if __name__ == "__main__":' in last
-    assert "closed its pipe" not in done.stderr
+    # The traceback may quote the source line that names the old wording; no error says it.
+    errors = [line for line in done.stderr.splitlines() if line.startswith("agentx.errors.")]
+    assert errors and not any("closed its pipe" in line for line in errors)

@@ -446,12 +446,13 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the checkpoint's context length
     num_threads: int | None = None  # torch intra-op threads on CPU; None: every core
-    # A CPU step that computes at most this many tokens (decodes, a short verify) runs on one
-    # thread: its ~120 parallel regions (4 projections a layer) are so short that waking a
-    # second core for each costs more than it saves (docs/BENCHMARKS.md, "Threads per step").
-    # Larger steps (prefill chunks) use num_threads. 0: every step on num_threads. The kernels
-    # give the same bits at any thread count, so this never changes a token.
-    small_step_tokens: int = 16
+    # A CPU step that computes at most this many tokens runs on one thread. 0 (the default):
+    # every step on num_threads. The kernels' thread team (kernels/cpu/csrc/parallel.h) keeps
+    # its workers spinning between a step's ~120 loops, so a decode step gains from every core
+    # (docs/BENCHMARKS.md, "Threads per step"); under OpenMP's passive wait a wake-up per loop
+    # made one thread faster for SmolLM2, hence this knob. The kernels give the same bits at
+    # any thread count, so it never changes a token.
+    small_step_tokens: int = 0
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

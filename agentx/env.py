@@ -14,6 +14,9 @@ Variables:
                        ``avx2`` or ``avx512``. It picks agentx's compiled kernels' variant and,
                        unless ``ATEN_CPU_CAPABILITY`` is set, torch's own (read when torch
                        loads), so an AVX-512 machine runs what an AVX2-only machine runs.
+    AGENTX_SPIN_US     microseconds a thread of the CPU kernels' team spins for the next loop
+                       before it sleeps (``kernels/cpu/csrc/parallel.h``); default 2000, 0
+                       sleeps at once. Read when the kernels load.
     AGENTX_PEERS_DIR   peer engines' venvs and converted models (``benchmarks/peers``), used by
                        ``agentx bench``; default ``~/.cache/agentx/peers``.
 
@@ -42,6 +45,7 @@ __all__ = [
     "pin_gloo_to_loopback",
     "restore_environment",
     "set_vllm_environment",
+    "spin_us",
 ]
 
 _KERNEL_BACKENDS = ("auto", "ref", "cpu", "triton")
@@ -81,6 +85,20 @@ def cpu_isa() -> str:
     value = os.environ.get("AGENTX_CPU_ISA", "").strip().lower() or "auto"
     if value not in _CPU_ISAS:
         raise ConfigError(f"AGENTX_CPU_ISA={value!r}: expected one of {', '.join(_CPU_ISAS)}")
+    return value
+
+
+def spin_us() -> int:
+    """``$AGENTX_SPIN_US`` as whole microseconds >= 0 (default 2000); else ConfigError."""
+    raw = os.environ.get("AGENTX_SPIN_US", "").strip()
+    if not raw:
+        return 2000
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"AGENTX_SPIN_US={raw!r}: expected whole microseconds >= 0")
     return value
 
 

@@ -188,12 +188,16 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="EngineConfig.model (default: embedded)")
     parser.add_argument("--context", type=int, default=CONTEXT, help="each prompt's tokens")
     parser.add_argument("--threads", type=int, default=None, help="EngineConfig.num_threads")
+    parser.add_argument(
+        "--small-step-tokens", type=int, default=None, help="EngineConfig.small_step_tokens"
+    )
     args = parser.parse_args()
     DECODERS, CONTEXT = args.decoders, args.context
     model = {} if args.model is None else {"model": args.model}
     config = EngineConfig(
         **model,
         num_threads=args.threads,
+        **({} if args.small_step_tokens is None else {"small_step_tokens": args.small_step_tokens}),
         quantization=args.quantization,
         cache=CacheConfig(kv_cache_bytes=1 << 30, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_batched_tokens=512),

@@ -11,6 +11,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def test_small_step_tokens_is_validated():
+    assert EngineConfig().small_step_tokens == 0  # every step on every core (the kernels' team)
     for bad in (-1, 1.5, None):
         with pytest.raises(ConfigError, match="small_step_tokens"):
             EngineConfig(small_step_tokens=bad)
@@ -19,8 +20,8 @@ def test_small_step_tokens_is_validated():
 def test_small_steps_run_on_one_thread_and_keep_every_token(make_engine, greedy_prompts):
     scheduler = SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=48)
     cache = CacheConfig(kv_cache_bytes=64 << 20)
-    per_step = make_engine(num_threads=2, cache=cache, scheduler=scheduler)
-    fixed = make_engine(num_threads=2, cache=cache, scheduler=scheduler, small_step_tokens=0)
+    per_step = make_engine(num_threads=2, cache=cache, scheduler=scheduler, small_step_tokens=16)
+    fixed = make_engine(num_threads=2, cache=cache, scheduler=scheduler)  # the default: 0
     runner = per_step.core.runner
     logits_threads = []
     compute_logits = runner.model.compute_logits

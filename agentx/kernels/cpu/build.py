@@ -40,6 +40,7 @@ _SOURCES = (
     "paged_attention.cpp",
     "kv_int8.cpp",
     "decoder_layer.cpp",
+    "parallel.cpp",
 )
 # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without the
 # flag it compiles to a serial loop (every kernel on one thread). The library links the
@@ -79,7 +80,7 @@ def load(verbose: bool = False) -> bool:
                 _fall_back("this CPU has no AVX2 and FMA")
                 _state["ok"] = False
             else:
-                _state["ok"] = _build_and_load(verbose) and _cap_isa()
+                _state["ok"] = _build_and_load(verbose) and _cap_isa() and _set_spin()
         return _state["ok"]
 
 
@@ -148,6 +149,12 @@ def _fall_back(reason: str) -> None:
     )
     _log.warning(message)
     warnings.warn(message, KernelFallbackWarning, stacklevel=2)
+
+
+def _set_spin() -> bool:
+    """Apply ``AGENTX_SPIN_US`` to the kernels' thread team (csrc/parallel.h)."""
+    torch.ops.agentx.team_spin_us(env.spin_us())
+    return True
 
 
 def _cap_isa() -> bool:

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "qlinear_common.h"
 #include "scratch.h"
 
@@ -32,7 +33,7 @@ namespace {
 // y = x / sqrt(mean(x^2) + eps) * w, per row of `dim` floats
 void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
                    float* y) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = x + r * dim;
       float* yr = y + r * dim;
@@ -49,7 +50,7 @@ void rms_norm_rows(const float* x, const float* w, int64_t rows, int64_t dim, fl
 void rope_rows(float* x, int64_t ld, int64_t rows, int64_t heads, int64_t head_dim,
                const float* cos_sin, const int64_t* positions) {
   const int64_t half = head_dim / 2;
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* cs = cos_sin + positions[r] * head_dim;
       for (int64_t h = 0; h < heads; ++h) {
@@ -104,7 +105,7 @@ void silu_and_mul_rows(const float* gu, int64_t rows, int64_t inter, float* a) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
   };
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gu + r * 2 * inter;
       const float* u = g + inter;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace agentx {
 namespace {
@@ -598,7 +599,7 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
                    [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     int64_t ends[kTileRows];
     for (int64_t claimed; (claimed = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t it = order[claimed];
@@ -610,7 +611,7 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
     }
   });
   // merge each row's splits, in order: rescale each to the common max
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t f = row_first_item[r], count = row_items[r], slot = row_slot[r];
       for (int64_t hq = 0; hq < heads; ++hq) {

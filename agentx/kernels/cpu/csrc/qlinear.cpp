@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "qlinear_common.h"
 #include "scratch.h"
 
@@ -44,7 +45,7 @@ using qlinear::kTile;
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx, float* sx) {
   const int64_t groups = k / kGroup;
   const __m256 sign = _mm256_set1_ps(-0.f);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t g = 0; g < groups; ++g) {
         const float* src = x + r * k + g * kGroup;
@@ -209,7 +210,7 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   }
   const int64_t pairs = wide ? tiles / 2 : 0;
   const int8_t* xwide = int4 ? xqp : xu;
-  at::parallel_for(0, pairs + (tiles - 2 * pairs), 1, [&](int64_t u0, int64_t u1) {
+  parallel_for(0, pairs + (tiles - 2 * pairs), 1, [&](int64_t u0, int64_t u1) {
     // work units: pairs [0, pairs), then single tiles 2 * pairs + (u - pairs)
     const int64_t p1 = std::min(u1, pairs);
     float buf[kRows][kTile];

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "kquant.h"
 
 namespace agentx {
@@ -48,7 +49,7 @@ inline int32_t hsum(__m256i v) {
 // Per row and super-block: dx = amax / 127, xq = rint(x * 127 / amax), sums of xq per 16.
 void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* dx, int16_t* sums) {
   const int64_t blocks = k / kBlock;
-  at::parallel_for(0, m * blocks, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + i * kBlock;  // row i / blocks, block i % blocks
       float amax = 0.f;
@@ -362,7 +363,7 @@ void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& 
     return;
   }
   constexpr int64_t kCols = 16;
-  at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {
+  parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * kCols, n1 = std::min(n, n0 + kCols);
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {

@@ -33,6 +33,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "kquant.h"
 
 namespace agentx {
@@ -310,7 +311,7 @@ void kquant_gemm_avx2(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t
                       const int8_t* xq, const float* dx, const int16_t* sums, int64_t k,
                       int64_t m, float* y, int64_t ldy) {
   const Rows a{xq, dx, sums, k, k / kBlock};
-  at::parallel_for(0, (n + kTileCols - 1) / kTileCols, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, (n + kTileCols - 1) / kTileCols, 1, [&](int64_t t0, int64_t t1) {
     Tile tile;
     for (int64_t i = t0; i < t1; ++i) {
       const int64_t n0 = i * kTileCols;

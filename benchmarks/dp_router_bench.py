@@ -11,16 +11,28 @@ cold replicas:
     sticky-migrate  sticky, and a waiting session whose home has more than --migrate-after live
                     requests more than the least-loaded replica moves there with its KV, through
                     a disk tier in a fresh temporary folder that every replica reads
+    sticky-migrate-held
+                    sticky-migrate, each agent's turn continuing the KV its previous turn held
+                    (closed loop: a turn's prompt carries what the engine generated)
+    sticky-migrate-toolwait
+                    sticky-migrate-held, each turn carrying ToolLatency(the trace's think time
+                    before its agent's next turn): a session whose home is overloaded when a
+                    turn ends moves, held KV and all, while its tool runs (the router's
+                    tool_wait_move_s, 1 s), not when its next turn comes
     round_robin     request i on replica i % dp (a session's KV is wherever its last turn ran)
     least_loaded    fewest live requests
 
 and prints one row per policy: requests, achieved prefix hit rate vs the trace's theoretical
 one (a single cache that saw every earlier request), recomputed tokens, TPGS (per replica:
 each replica counts as a device), TTFT P50/P90, interactivity P90, requests per replica,
-migrations, blocks the replicas loaded from the shared tier instead of recomputing, and wall
-time. The metrics are agentx.bench's (``run_metrics``), over the replay's own records. Only
-sticky-migrate has a tier: its replicas also write every block they compute through to disk
-(what having a shared tier costs), the other policies keep KV on their replica only.
+migrations (of them, during a tool wait), held tokens the migrations moved, the TTFT P50/P90
+of the turns that came after their session moved, blocks the replicas loaded from the shared
+tier instead of recomputing, and wall time. The metrics are agentx.bench's (``run_metrics``),
+over the replay's own records. Only the sticky-migrate policies have a tier: their replicas
+also write every block they compute through to disk (what having a shared tier costs), the
+other policies keep KV on their replica only. ``--loop`` sets how the policies without held KV
+replay (open by default, as recorded before); the held-KV ones always replay closed loop,
+since held KV only continues a prompt that starts with the previous turn's prompt and output.
 
 Threads: every replica runs with ``--threads-per-replica`` torch threads. The replicas live in
 this process; ``torch.set_num_threads`` acts on the calling thread, and each replica's loop
@@ -29,9 +41,13 @@ the 2 cores of the reference machine; the loop threads share the GIL for the Pyt
 their steps. Subagents are sessions of their own to the router; only their prompts (forked from
 the parent's context) tell the prefix-aware sticky policy where their parent's KV is.
 
-    python benchmarks/dp_router_bench.py                         # the whole trace, 4 policies
+    python benchmarks/dp_router_bench.py                         # the whole trace, every policy
     python benchmarks/dp_router_bench.py --max-sessions 2 --max-think 0 --policies sticky
                                                                  # a smoke run
+    python benchmarks/dp_router_bench.py --loop closed \
+        --policies sticky-migrate,sticky-migrate-held,sticky-migrate-toolwait
+                                                                 # moving at routing time vs
+                                                                 # during the tool wait
 """
 
 from __future__ import annotations
@@ -47,6 +63,8 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from offload_bench import next_think_times
+
 from agentx.bench.adapter import (
     BenchEngineError,
     Done,
@@ -58,8 +76,9 @@ from agentx.bench.adapter import (
 )
 from agentx.bench.engines import resolve_model, token_space_for_model
 from agentx.bench.loader import load_trace
-from agentx.bench.metrics import RunMetrics, run_metrics
+from agentx.bench.metrics import RunMetrics, percentile, run_metrics
 from agentx.bench.prompts import PromptBuilder
+from agentx.bench.records import RunResult
 from agentx.bench.replay import ReplayConfig
 from agentx.bench.segments import prompt_token_ids
 from agentx.bench.sweep import run_point
@@ -67,7 +86,16 @@ from agentx.bench.trace import Trace
 from agentx.bench.trace_stats import trace_stats
 
 DEFAULT_TRACE = Path("docs/bench/compare-2026-11-29/trace.jsonl")
-POLICIES = ("sticky", "sticky-plain", "sticky-migrate", "round_robin", "least_loaded")
+POLICIES = (
+    "sticky",
+    "sticky-plain",
+    "sticky-migrate",
+    "sticky-migrate-held",
+    "sticky-migrate-toolwait",
+    "round_robin",
+    "least_loaded",
+)
+HELD_POLICIES = ("sticky-migrate-held", "sticky-migrate-toolwait")  # replayed closed loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +110,25 @@ class RouterOptions:
 
 
 class RouterAdapter(EngineAdapter):
-    """A ReplicaRouter of in-process agentx replicas behind the replay's engine interface."""
+    """A ReplicaRouter of in-process agentx replicas behind the replay's engine interface.
 
-    def __init__(self, policy: str, options: RouterOptions) -> None:
+    A held-KV policy holds every turn's KV for its agent's next turn, as a Session would;
+    ``tool_waits`` (request id -> seconds) become each turn's ToolLatency hint."""
+
+    def __init__(
+        self, policy: str, options: RouterOptions, tool_waits: dict[str, float] | None = None
+    ) -> None:
         self.policy_name = policy
         self.options = options
         self.name = f"dp{options.dp}-{policy}"
         self.router = None
         self._disk: tempfile.TemporaryDirectory | None = None
         self.num_routed: Counter[int] = Counter()
+        self.holds_kv = policy in HELD_POLICIES
+        self.tool_waits = tool_waits or {}
+        self._held: dict[str, str] = {}  # agent -> the handle of its last turn's KV
+        self._num_moves: Counter[str] = Counter()  # agent -> migrations its turns have seen
+        self.after_migration: list[str] = []  # the request ids that ran after a migration
 
     def _build(self):
         from agentx import CacheConfig, EngineConfig, OffloadConfig, ParallelConfig, SchedulerConfig
@@ -99,7 +137,7 @@ class RouterAdapter(EngineAdapter):
         o = self.options
         offload = OffloadConfig()
         policy = self.policy_name
-        if policy == "sticky-migrate":
+        if policy.startswith("sticky-migrate"):
             self._disk = tempfile.TemporaryDirectory(prefix="agentx-dp-bench-")
             offload = OffloadConfig(disk_path=self._disk.name)
             policy = StickySessionPolicy(migrate_after=o.migrate_after)
@@ -127,26 +165,52 @@ class RouterAdapter(EngineAdapter):
         return EngineInfo(self.name, __version__, config)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Tokens | Done]:
-        from agentx import AgentXError, SamplingParams
+        from agentx import AgentXError, RequestOptions, SamplingParams
 
         sampling = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+        options = RequestOptions(
+            hold_kv=self.holds_kv,
+            held_kv=self._held.pop(request.session_id, None),
+            hints=self.hints_for(request),
+        )
         try:
             replica, stream = self.router.route(
                 prompt_token_ids(request.prompt, self.router.tokenizer.encode),
                 sampling, session_id=request.session_id,
-                request_id=request.request_id,
+                request_id=request.request_id, options=options,
             )  # fmt: skip
         except AgentXError as exc:
             raise BenchEngineError(str(exc)) from exc
         self.num_routed[replica] += 1
+        self._note_migration(request)
         try:
             async for event in agentx_events(stream, request.return_ids):
+                if isinstance(event, Done) and self.holds_kv:
+                    self._held[request.session_id] = stream.request_id
                 yield event
         finally:
             if not stream.finished:
                 self.router.replicas[replica].abort(stream.request_id)
 
+    def hints_for(self, request: GenerateRequest) -> tuple:
+        """ToolLatency(the think time before the agent's next turn), when there is one."""
+        from agentx.engine.hints import ToolLatency
+
+        seconds = self.tool_waits.get(request.request_id)
+        return (ToolLatency(seconds),) if seconds else ()
+
+    def _note_migration(self, request: GenerateRequest) -> None:
+        """A request routed after its session moved (while it was routed, or during the tool
+        wait before it, which routing waits for) counts as after a migration."""
+        num = sum(m.session_id == request.session_id for m in self.router.migrations)
+        if num > self._num_moves[request.session_id]:
+            self._num_moves[request.session_id] = num
+            self.after_migration.append(request.request_id)
+
     async def end_session(self, session_id: str) -> None:
+        handle = self._held.pop(session_id, None)
+        if handle is not None:  # before end_session: the router finds the replica by session
+            self.router.release_held_soon(handle)
         self.router.end_session(session_id)
 
     async def final_stats(self) -> dict | None:
@@ -161,8 +225,11 @@ class RouterAdapter(EngineAdapter):
             "replicas": replicas,
             "requests_per_replica": [self.num_routed[r] for r in range(len(replicas))],
             "num_migrations": len(self.router.migrations),
+            "num_tool_wait_migrations": sum(m.during_tool_wait for m in self.router.migrations),
             "num_tier_loaded_blocks": sum(r["offload_loaded_blocks"] for r in replicas),
             "migrated_held_tokens": sum(m.num_held_tokens for m in self.router.migrations),
+            "migrations": [asdict(m) for m in self.router.migrations],
+            "after_migration": list(self.after_migration),
         }
 
     async def close(self) -> None:
@@ -180,6 +247,13 @@ def slice_trace(trace: Trace, max_sessions: int | None) -> Trace:
     return replace(trace, sessions=trace.sessions[:max_sessions])
 
 
+def ttft_after_migration(result: RunResult) -> list[float | None]:
+    """TTFT P50 and P90 of the requests that ran after their session moved."""
+    after = set((result.engine_stats or {}).get("after_migration", ()))
+    ttfts = [r.ttft for r in result.records if r.request_id in after and r.ttft is not None]
+    return [percentile(ttfts, 0.5), percentile(ttfts, 0.9)]
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
@@ -192,17 +266,22 @@ def table(rows: list[tuple[RunMetrics, dict]]) -> str:
     head = (
         "| policy | requests | failed | hit achieved | hit theoretical | recomputed tok | "
         "TPGS tok/s/replica | TTFT P50 s | TTFT P90 s | inter. P90 tok/s | "
-        "requests per replica | migrations | blocks from tier | wall s |"
+        "requests per replica | migrations | during tool wait | held tok moved | "
+        "TTFT after migration P50 / P90 s | blocks from tier | wall s |"
     )
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for m, stats in rows:
+        moved_p50, moved_p90 = stats["ttft_after_migration"]
         lines.append(
             f"| {m.engine} | {m.num_requests} | {m.num_failed} | {_pct(m.achieved_hit_rate)} | "
             f"{_pct(m.theoretical_hit_rate)} | {m.num_recomputed_tokens} | {m.tpgs:.0f} | "
             f"{_num(m.ttft_p50, '.2f')} | {_num(m.ttft_p90, '.2f')} | "
             f"{_num(m.interactivity_p90, '.1f')} | "
             f"{' / '.join(map(str, stats['requests_per_replica']))} | "
-            f"{stats['num_migrations']} | {stats['num_tier_loaded_blocks']} | {m.wall_time:.1f} |"
+            f"{stats['num_migrations']} | {stats['num_tool_wait_migrations']} | "
+            f"{stats['migrated_held_tokens']} | "
+            f"{_num(moved_p50, '.2f')} / {_num(moved_p90, '.2f')} | "
+            f"{stats['num_tier_loaded_blocks']} | {m.wall_time:.1f} |"
         )
     return "\n".join(lines)
 
@@ -219,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--migrate-after", type=int, default=2, help="sticky-migrate's threshold")
     p.add_argument("--concurrency", type=int, default=8, help="live session trees")
     p.add_argument("--max-think", type=float, default=2.0, help="cap on think time, seconds")
+    p.add_argument("--loop", choices=("open", "closed"), default="open", help="held KV: closed")
     p.add_argument("--max-sessions", type=int, default=None, help="replay the first N sessions")
     p.add_argument("--json", default=None, help="write metrics and engine stats here")
     p.add_argument("--no-progress", action="store_true")
@@ -239,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         migrate_after=args.migrate_after,
     )
     prompts = PromptBuilder(trace.block_size, token_space_for_model(resolve_model(None)))
-    config = ReplayConfig(args.concurrency, args.max_think, not args.no_progress)
+    config = ReplayConfig(args.concurrency, args.max_think, not args.no_progress, args.loop)
+    tool_waits = next_think_times(trace, args.max_think)
     command = " ".join(["python", *sys.argv]) if argv is None else " ".join(argv)
     print(
         f"# DP router bench\n\n- command: `{command}`\n- date: {time.strftime('%Y-%m-%d %H:%M')}"
@@ -247,19 +328,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{stats['num_requests']} requests, {stats['num_prompt_tokens']} prompt tokens, "
         f"theoretical hit rate {stats['theoretical_hit_rate']:.1%}\n- replicas: {args.dp} x "
         f"{args.threads_per_replica} thread(s), {args.kv_cache_gib:g} GiB KV each, "
-        f"concurrency {args.concurrency}, max think {args.max_think:g} s\n",
+        f"concurrency {args.concurrency}, max think {args.max_think:g} s, {args.loop} loop "
+        f"(held-KV policies: closed)\n",
         flush=True,
     )
     rows, out = [], []
     for policy in policies:
         print(f"[bench] {policy}", file=sys.stderr, flush=True)
-        result = asyncio.run(
-            run_point(lambda p=policy: RouterAdapter(p, options), trace, config, prompts)
-        )
+        waits = tool_waits if policy == "sticky-migrate-toolwait" else None
+        factory = lambda p=policy, w=waits: RouterAdapter(p, options, w)  # noqa: E731
+        loop = "closed" if policy in HELD_POLICIES else args.loop
+        result = asyncio.run(run_point(factory, trace, replace(config, loop=loop), prompts))
         result = replace(result, num_devices=args.dp)
         metrics = replace(run_metrics(result), engine=policy)
-        rows.append((metrics, result.engine_stats))
-        out.append({"metrics": metrics.to_json(), "engine_stats": result.engine_stats})
+        engine_stats = {**result.engine_stats, "ttft_after_migration": ttft_after_migration(result)}
+        rows.append((metrics, engine_stats))
+        out.append({"metrics": metrics.to_json(), "engine_stats": engine_stats, "loop": loop})
         if result.interrupted:
             break
     print(table(rows))

@@ -72,6 +72,19 @@ def test_a_chunks_error_reaches_the_caller_and_the_team_goes_on(two_threads, fai
     assert torch.equal(_fill(100, 1), _want(100))  # the team is not stuck
 
 
+def test_loops_of_changing_thread_counts_run_every_chunk_once():
+    """A worker a loop does not need still answers it, so it never reads the next loop's
+    fields half-written (a chunk run twice would show as 2 * i * i: ``+=``)."""
+    before = torch.get_num_threads()
+    try:
+        for step in range(300):
+            torch.set_num_threads((4, 2, 3, 2)[step % 4])
+            assert torch.equal(_fill(257, 1), _want(257)), step
+    finally:
+        torch.set_num_threads(before)
+    assert _stats()["workers"] >= 3
+
+
 def test_loops_from_two_threads_at_once_all_complete(two_threads):
     results: list[bool] = []
     errors: list[BaseException] = []
@@ -95,7 +108,7 @@ def test_loops_from_two_threads_at_once_all_complete(two_threads):
     after = _stats()
     # each loop ran once, on the team or (the team busy with another thread's) on OpenMP
     assert (after["runs"] - before["runs"]) + (after["fallbacks"] - before["fallbacks"]) == 900
-    assert after["workers"] == 1
+    assert after["workers"] >= 1
 
 
 def test_a_forked_child_gets_a_team_of_its_own():

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -35,12 +36,22 @@ class Team {
       fallbacks_.fetch_add(1, std::memory_order_relaxed);
       return false;
     }
-    while (started_ < threads - 1) start_worker(++started_);
+    while (started_ < threads - 1) {
+      try {
+        start_worker(started_ + 1);
+      } catch (const std::system_error&) {  // no thread to be had: this loop runs on OpenMP
+        fallbacks_.fetch_add(1, std::memory_order_relaxed);
+        return false;
+      }
+      ++started_;
+    }
     fn_ = fn;
     ctx_ = ctx;
     threads_ = threads;
     error_ = nullptr;
-    pending_.store(threads - 1);
+    // every worker answers every loop, a chunk or none: none is still reading this loop's
+    // fields when the next loop writes them
+    pending_.store(started_);
     gen_.fetch_add(1);  // seq_cst: pairs with a sleeper's sleepers_ increment (Dekker)
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lock(sleep_mu_);
@@ -95,12 +106,13 @@ class Team {
         }
       }
       seen = g;
-      if (tid >= threads_) continue;  // this loop needs fewer threads
-      try {
-        fn_(ctx_, tid);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mu_);
-        if (!error_) error_ = std::current_exception();
+      if (tid < threads_) {  // else this loop needs fewer threads
+        try {
+          fn_(ctx_, tid);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mu_);
+          if (!error_) error_ = std::current_exception();
+        }
       }
       pending_.fetch_sub(1, std::memory_order_release);
     }
@@ -112,7 +124,7 @@ class Team {
   const void* ctx_ = nullptr;
   int threads_ = 0;
   std::atomic<uint64_t> gen_{0};  // bumped once per loop, after the fields above are set
-  std::atomic<int> pending_{0};   // workers of this loop not done yet
+  std::atomic<int> pending_{0};   // workers that have not answered this loop yet
   std::atomic<int> sleepers_{0};
   std::mutex sleep_mu_;
   std::condition_variable sleep_cv_;

@@ -10,8 +10,9 @@
 // Same contract as at::parallel_for: [begin, end) is split into at most
 // at::get_num_threads() contiguous chunks of at least `grain` (the calling thread takes the
 // first), and the call returns when every chunk is done. The kernels' results never depend on
-// the split, so the bits are the same at any thread count. A loop started inside another
-// (from a team thread) or while another thread's loop holds the team runs on OpenMP instead.
+// the split, so the bits are the same at any thread count. A loop started inside another (from
+// a team thread) runs inline; one started while another thread's loop holds the team runs on
+// OpenMP instead.
 //
 // A worker spins for AGENTX_SPIN_US microseconds (default 2000; agentx/env.py) waiting for the
 // next loop, yielding its core to any thread that wants it, then sleeps on a condition

@@ -63,7 +63,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from offload_bench import next_think_times
+from offload_bench import next_think_times, tool_latency_hints
 
 from agentx.bench.adapter import (
     BenchEngineError,
@@ -194,10 +194,7 @@ class RouterAdapter(EngineAdapter):
 
     def hints_for(self, request: GenerateRequest) -> tuple:
         """ToolLatency(the think time before the agent's next turn), when there is one."""
-        from agentx.engine.hints import ToolLatency
-
-        seconds = self.tool_waits.get(request.request_id)
-        return (ToolLatency(seconds),) if seconds else ()
+        return tool_latency_hints(self.tool_waits, request.request_id)
 
     def _note_migration(self, request: GenerateRequest) -> None:
         """A request routed after its session moved (while it was routed, or during the tool

@@ -40,10 +40,15 @@ class HintedAgentx(AgentxAdapter):
         self.hints = hints
 
     def hints_for(self, request: GenerateRequest) -> tuple:
-        from agentx.engine.hints import ToolLatency
+        return tool_latency_hints(self.hints, request.request_id)
 
-        seconds = self.hints.get(request.request_id)
-        return (ToolLatency(seconds),) if seconds else ()
+
+def tool_latency_hints(waits: dict[str, float], request_id: str) -> tuple:
+    """``(ToolLatency(seconds),)`` for a request with a think time after it (next_think_times)."""
+    from agentx.engine.hints import ToolLatency
+
+    seconds = waits.get(request_id)
+    return (ToolLatency(seconds),) if seconds else ()
 
 
 def next_think_times(trace: Trace, max_think: float) -> dict[str, float]:

@@ -1,10 +1,12 @@
-"""The K-quant GEMM path (many rows, qlinear_kquant_gemm.cpp) gives the row-group path's bits.
+"""The K-quant GEMMs (many rows, qlinear_kquant_gemm.cpp and _avx512.cpp) give the row-group
+path's bits.
 
-From kKquantGemmRows (32) rows on, AVX2 runs every weight super-block once against all rows;
-fewer rows take the row groups of <= 4. Since the row-group path's rows are independent, each
-GEMM row must equal the same rows run in groups of 4 and the reference, bit for bit, on awkward
-widths (a partial 8-column group, a partial 32-column tile), with 1 and 2 threads, and on the
-extreme weight and activation values where a 16-bit intermediate could saturate.
+From kKquantGemmRows (32) rows on, each ISA's GEMM runs every weight super-block once against
+all rows; fewer rows take the row groups of <= 4. Since the row-group path's rows are
+independent, each GEMM row must equal the same rows run in groups of 4 and the reference, bit
+for bit, on every ISA this CPU runs, on awkward widths (a partial 8- or 16-column group, a
+partial 32- or 48-column tile), with 1 and 2 threads, and on the extreme weight and activation
+values where a 16-bit intermediate could saturate.
 """
 
 import pytest
@@ -18,6 +20,7 @@ needs_kernels = pytest.mark.skipif(
     not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"
 )
 KINDS = [kquant.Q4_K, kquant.Q6_K]
+ISAS = ["avx2", "avx512"] if cpu.available() and cpu.has_avx512() else ["avx2"]
 ROWS = (1, 5, 16, 17, 33, 35, 64, 130, 300)  # 300: two passes of 256 rows over a tile
 
 
@@ -35,12 +38,13 @@ def threads(request):
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n,k", [(45, 768), (70, 2560)])
-def test_gemm_equals_row_groups_and_reference(kind, n, k, threads):
+@pytest.mark.parametrize("n,k", [(45, 768), (70, 2560), (100, 512)])
+def test_gemm_equals_row_groups_and_reference(kind, n, k, threads, isa):
     w = random_blocks(n, k, kind, seed=n)
     x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(k)) * 3
-    with cpu.use_isa("avx2"):
+    with cpu.use_isa(isa):
         for m in ROWS:
             got = torch.ops.agentx.kquant_linear(x[:m], w, kind, None)
             assert torch.equal(got, _in_groups_of_4(x[:m], w, kind)), m
@@ -48,8 +52,9 @@ def test_gemm_equals_row_groups_and_reference(kind, n, k, threads):
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_gemm_extreme_values_stay_exact(kind):
+def test_gemm_extreme_values_stay_exact(kind, isa):
     n, k = 11, 512
     w = torch.full((n, k // kquant.BLOCK, kquant.block_bytes(kind)), 0xFF, dtype=torch.uint8)
     d = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8)
@@ -59,9 +64,12 @@ def test_gemm_extreme_values_stay_exact(kind):
         w[..., 192:208] = torch.tensor([0x80, 0x7F] * 8, dtype=torch.uint8)
         w[..., 208:210] = d
     w = w.reshape(n, -1)
-    x = torch.ones(20, k)
+    x = torch.ones(40, k)  # >= 32 rows: the GEMM
     x[1::2] = -1.0  # xq all 127 or all -127
     x[2, ::3] = -1.0  # mixed signs
-    got = torch.ops.agentx.kquant_linear(x, w, kind, None)
-    assert torch.equal(got, _in_groups_of_4(x, w, kind))
+    with cpu.use_isa(isa):
+        got = torch.ops.agentx.kquant_linear(x, w, kind, None)
+        assert torch.equal(got, _in_groups_of_4(x, w, kind))
     assert torch.equal(got, kquant.kquant_linear(x, w, kind))
+    # every output is the largest magnitude these blocks can give: none saturated on the way
+    assert torch.equal(got[0], got[1].neg())

@@ -37,6 +37,7 @@ _SOURCES = (
     "qlinear_kquant.cpp",
     "qlinear_kquant_avx512.cpp",
     "qlinear_kquant_gemm.cpp",
+    "qlinear_kquant_gemm_avx512.cpp",
     "paged_attention.cpp",
     "kv_int8.cpp",
     "decoder_layer.cpp",

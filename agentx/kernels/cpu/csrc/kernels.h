@@ -57,12 +57,16 @@ inline bool is_kquant(int64_t bits) { return bits == kQ4K || bits == kQ6K; }
 void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& qweight,
                         int64_t type, float* y, int64_t ldy);
 
-// From kKquantGemmRows rows on (AVX2 only), kquant_linear_into hands the quantized rows (xq,
-// dx, sums as kquant.h's Rows) to qlinear_kquant_gemm.cpp: all n columns into y, the same bits.
+// From kKquantGemmRows rows on, kquant_linear_into hands the quantized rows (xq, dx, sums as
+// kquant.h's Rows) to the GEMM of its ISA (qlinear_kquant_gemm.cpp, _avx512.cpp): all n
+// columns into y, the same bits.
 constexpr int64_t kKquantGemmRows = 32;  // measured: at 16 rows down (K = 8960) ran slower
 void kquant_gemm_avx2(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n,
                       const int8_t* xq, const float* dx, const int16_t* sums, int64_t k,
                       int64_t m, float* y, int64_t ldy);
+void kquant_gemm_avx512(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n,
+                        const int8_t* xq, const float* dx, const int16_t* sums, int64_t k,
+                        int64_t m, float* y, int64_t ldy);
 
 // AVX-512 VNNI: columns [n0, n1) of activation rows [r0, r0 + rows) (rows <= 4) into y (row
 // r at y + r * ldy); xq, dx, sums as kquant.h's Rows. The same sums and steps as AVX2's.

@@ -138,6 +138,67 @@ inline __m256 q6k_step8(__m256 acc, float dx, __m256 d, __m256i s) {
   return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(dx), t));
 }
 
+// ---- the GEMMs' unpacking (qlinear_kquant_gemm.cpp: AVX2, qlinear_kquant_gemm_avx512.cpp) ----
+
+// A Q4_K block's 256 weights (0..15) as bytes, in feature order.
+inline void q4k_weight_bytes(const uint8_t* blk, uint8_t* col) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {  // 32 bytes: low nibbles weights 64 j.., high ones 64 j + 32..
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(col + 64 * j), _mm256_and_si256(packed, low));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(col + 64 * j + 32),
+                        _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
+  }
+}
+
+// A Q6_K block's 256 weights (0..63, the -32 left to the offset sums) as bytes, in feature order.
+inline void q6k_weight_bytes(const uint8_t* blk, uint8_t* col) {
+  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+  const __m256i mid = _mm256_set1_epi8(0x0C), top = _mm256_set1_epi8(0x30);
+  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto store = [](uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); };
+  for (int h = 0; h < 2; ++h) {  // 128 weights: 64 low-nibble bytes, 32 bytes of 2-bit highs
+    const __m256i l0 = load(blk + 64 * h), l1 = load(blk + 64 * h + 32);
+    const __m256i qh = load(blk + 128 + 32 * h);
+    uint8_t* q = col + 128 * h;
+    store(q, _mm256_or_si256(_mm256_and_si256(l0, low),
+                             _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)));
+    store(q + 32, _mm256_or_si256(_mm256_and_si256(l1, low),
+                                  _mm256_slli_epi16(_mm256_and_si256(qh, mid), 2)));
+    store(q + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                                  _mm256_and_si256(qh, top)));
+    store(q + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                  _mm256_and_si256(_mm256_srli_epi16(qh, 2), top)));
+  }
+}
+
+// 8 columns' bytes (cols[c], 256 each) -> 64 steps of 8 int32 lanes: step s at dst + s * stride
+// holds weights 4 s .. 4 s + 3 of column c in lane c (an 8 x 8 transpose of int32 per 8 steps).
+inline void interleave8(const uint8_t (*cols)[kBlock], uint8_t* dst, int64_t stride) {
+  for (int s0 = 0; s0 < kBlock / 4; s0 += 8) {
+    __m256i r[8], u[8];
+    for (int c = 0; c < 8; ++c) {  // lane i: column c, step s0 + i
+      r[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols[c] + 4 * s0));
+    }
+    for (int h = 0; h < 8; h += 4) {
+      const __m256i t0 = _mm256_unpacklo_epi32(r[h], r[h + 1]);
+      const __m256i t1 = _mm256_unpackhi_epi32(r[h], r[h + 1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(r[h + 2], r[h + 3]);
+      const __m256i t3 = _mm256_unpackhi_epi32(r[h + 2], r[h + 3]);
+      u[h] = _mm256_unpacklo_epi64(t0, t2);      // steps 0 | 4 of columns h .. h + 3
+      u[h + 1] = _mm256_unpackhi_epi64(t0, t2);  // steps 1 | 5
+      u[h + 2] = _mm256_unpacklo_epi64(t1, t3);  // steps 2 | 6
+      u[h + 3] = _mm256_unpackhi_epi64(t1, t3);  // steps 3 | 7
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (s0 + i) * stride),
+                          _mm256_permute2x128_si256(u[i], u[i + 4], 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (s0 + i + 4) * stride),
+                          _mm256_permute2x128_si256(u[i], u[i + 4], 0x31));
+    }
+  }
+}
+
 // 8 fp16 values -> 8 floats.
 inline __m256 half8(const uint16_t* h) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));

@@ -47,25 +47,36 @@ inline int32_t hsum(__m256i v) {
 }
 
 // Per row and super-block: dx = amax / 127, xq = rint(x * 127 / amax), sums of xq per 16.
+// Vectorized, with the scalar definition's roundings: one product x * inv per element, rounded
+// to the nearest integer, ties to even (cvtps2dq in the default rounding mode, as nearbyint).
 void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* xq, float* dx, int16_t* sums) {
   const int64_t blocks = k / kBlock;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   parallel_for(0, m * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + i * kBlock;  // row i / blocks, block i % blocks
-      float amax = 0.f;
-      for (int64_t e = 0; e < kBlock; ++e) amax = std::max(amax, std::fabs(src[e]));
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t e = 0; e < kBlock; e += 8) {
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(src + e), abs_mask));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       dx[i] = amax / 127.f;
+      const __m256 vinv = _mm256_set1_ps(inv);
       int8_t* dst = xq + i * kBlock;
       for (int j = 0; j < 16; ++j) {
-        int s = 0;
-        for (int e = 16 * j; e < 16 * j + 16; ++e) {
-          const float prod = src[e] * inv;
-          const int q = static_cast<int>(std::nearbyint(prod));  // round half to even
-          dst[e] = static_cast<int8_t>(q);
-          s += q;
-        }
-        sums[i * 16 + j] = static_cast<int16_t>(s);
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 16 * j), vinv));
+        const __m256i b =
+            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 16 * j + 8), vinv));
+        // |q| <= 127: the saturating packs are exact; permute undoes packs' lane interleave
+        const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        const __m128i p8 =
+            _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * j), p8);
+        sums[i * 16 + j] = static_cast<int16_t>(hsum(_mm256_add_epi32(a, b)));
       }
     }
   });
@@ -356,10 +367,14 @@ void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& 
   quantize_rows(x, m, k, act.xq.data(), act.dx.data(), act.sums.data());
   const Rows a{act.xq.data(), act.dx.data(), act.sums.data(), k, blocks};
   const uint8_t* w = qweight.data_ptr<uint8_t>();
-  // Many rows: each super-block unpacked once for all of them (qlinear_kquant_gemm.cpp, the
-  // same bits). AVX-512 keeps its row groups: the GEMM has no AVX-512 twin this box could test.
-  if (m >= kKquantGemmRows && kernel_isa(-1) != kIsaAvx512) {
-    kquant_gemm_avx2(type, w, row_bytes, n, a.xq, a.dx, a.sums, k, m, y, ldy);
+  // Many rows: each super-block unpacked once for all of them (qlinear_kquant_gemm*.cpp, the
+  // same bits).
+  if (m >= kKquantGemmRows) {
+    if (kernel_isa(-1) == kIsaAvx512) {
+      kquant_gemm_avx512(type, w, row_bytes, n, a.xq, a.dx, a.sums, k, m, y, ldy);
+    } else {
+      kquant_gemm_avx2(type, w, row_bytes, n, a.xq, a.dx, a.sums, k, m, y, ldy);
+    }
     return;
   }
   constexpr int64_t kCols = 16;

@@ -83,12 +83,7 @@ void unpack_q4k(const uint8_t* blk, Tile& t, int g, int c, uint8_t* col) {
   kquant::q4k_scales(blk + 4, sc, mn);
   std::memcpy(&t.d[8 * g + c], blk, 2);
   std::memcpy(&t.dmin[8 * g + c], blk + 2, 2);
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int j = 0; j < 4; ++j) {  // 32 bytes: low nibbles weights 64 j.., high ones 64 j + 32..
-    const __m256i packed = load(blk + 16 + 32 * j);
-    store(col + 64 * j, _mm256_and_si256(packed, low));
-    store(col + 64 * j + 32, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
-  }
+  kquant::q4k_weight_bytes(blk, col);
   for (int j = 0; j < 8; ++j) set_pair(t.scale[g][j], c, sc[j], sc[j]);
   for (int p = 0; p < 4; ++p) set_pair(t.pairs[g][p], c, mn[2 * p], mn[2 * p + 1]);
 }
@@ -97,45 +92,9 @@ void unpack_q4k(const uint8_t* blk, Tile& t, int g, int c, uint8_t* col) {
 void unpack_q6k(const uint8_t* blk, Tile& t, int g, int c, uint8_t* col) {
   std::memcpy(&t.d[8 * g + c], blk + 208, 2);
   const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
-  const __m256i mid = _mm256_set1_epi8(0x0C), top = _mm256_set1_epi8(0x30);
-  for (int h = 0; h < 2; ++h) {  // 128 weights: 64 low-nibble bytes, 32 bytes of 2-bit highs
-    const __m256i l0 = load(blk + 64 * h), l1 = load(blk + 64 * h + 32);
-    const __m256i qh = load(blk + 128 + 32 * h);
-    uint8_t* q = col + 128 * h;
-    store(q, _mm256_or_si256(_mm256_and_si256(l0, low),
-                             _mm256_slli_epi16(_mm256_and_si256(qh, two), 4)));
-    store(q + 32, _mm256_or_si256(_mm256_and_si256(l1, low),
-                                  _mm256_slli_epi16(_mm256_and_si256(qh, mid), 2)));
-    store(q + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                                  _mm256_and_si256(qh, top)));
-    store(q + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                  _mm256_and_si256(_mm256_srli_epi16(qh, 2), top)));
-  }
+  kquant::q6k_weight_bytes(blk, col);
   for (int j = 0; j < 16; ++j) set_pair(t.scale[g][j], c, sc[j], sc[j]);
   for (int p = 0; p < 8; ++p) set_pair(t.pairs[g][p], c, sc[2 * p], sc[2 * p + 1]);
-}
-
-// cols (8 columns x 256 weights) -> t.q[g]: an 8 x 8 transpose of int32 per 8 steps.
-void interleave(const uint8_t (*cols)[kBlock], Tile& t, int g) {
-  for (int s0 = 0; s0 < kSteps; s0 += 8) {
-    __m256i r[8], u[8];
-    for (int c = 0; c < 8; ++c) r[c] = load(cols[c] + 4 * s0);  // lane i: column c, step s0 + i
-    for (int h = 0; h < 8; h += 4) {
-      const __m256i t0 = _mm256_unpacklo_epi32(r[h], r[h + 1]);
-      const __m256i t1 = _mm256_unpackhi_epi32(r[h], r[h + 1]);
-      const __m256i t2 = _mm256_unpacklo_epi32(r[h + 2], r[h + 3]);
-      const __m256i t3 = _mm256_unpackhi_epi32(r[h + 2], r[h + 3]);
-      u[h] = _mm256_unpacklo_epi64(t0, t2);  // steps 0 | 4 of columns h .. h + 3
-      u[h + 1] = _mm256_unpackhi_epi64(t0, t2);  // steps 1 | 5
-      u[h + 2] = _mm256_unpacklo_epi64(t1, t3);  // steps 2 | 6
-      u[h + 3] = _mm256_unpackhi_epi64(t1, t3);  // steps 3 | 7
-    }
-    for (int i = 0; i < 4; ++i) {
-      store(t.q[g][s0 + i], _mm256_permute2x128_si256(u[i], u[i + 4], 0x20));
-      store(t.q[g][s0 + i + 4], _mm256_permute2x128_si256(u[i], u[i + 4], 0x31));
-    }
-  }
 }
 
 // Group g of the tile all zeros (columns past the layer's end).
@@ -292,7 +251,7 @@ void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int ncols, const
           unpack_q6k(blk, t, g, c, cols[c]);
         }
       }
-      interleave(cols, t, g);
+      kquant::interleave8(cols, t.q[g][0], 32);
     }
     int64_t r0 = m0;
     for (; r0 + 4 <= m1; r0 += 4) rows_block<4, Type>(t, ncols, a, r0, b, y + n0, ldy);

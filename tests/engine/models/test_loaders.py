@@ -15,7 +15,7 @@ import transformers  # a dev dependency: the reference
 
 from agentx.engine.models import loader as loader_module
 from agentx.engine.models.loader import Checkpoint, load_checkpoint
-from agentx.engine.models.loader.gguf import load_gguf
+from agentx.engine.models.loader.gguf import load_gguf, mostly_file_backed
 from agentx.engine.models.loader.gguf_file import GGUFFile
 from agentx.engine.models.loader.safetensors import load_hf_folder
 from agentx.engine.models.spec import ModelSpec, RopeScaling
@@ -117,6 +117,20 @@ def test_gguf_file_reads_what_gguf_reader_reads(model_path: Path) -> None:
         assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
         assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
         assert np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.slow
+def test_unpacked_checkpoint_is_cached_and_read_back(tmp_path, monkeypatch) -> None:
+    # Q4_1 / Q8_0 come back unpacked (a byte a weight): worth a cached copy, unlike K-quants
+    monkeypatch.setenv("AGENTX_CACHE_DIR", str(tmp_path))
+    first = load_checkpoint(None, keep_quantized=True)
+    assert not mostly_file_backed(first)
+    entries = list(tmp_path.glob("checkpoints/*.pt"))
+    assert len(entries) == 1
+    again = load_checkpoint(None, keep_quantized=True)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(again.weights[name].q, first.weights[name].q)
+    assert list(tmp_path.glob("checkpoints/*.pt")) == entries
 
 
 def test_truncated_gguf_is_a_load_error(tmp_path: Path, model_path: Path) -> None:

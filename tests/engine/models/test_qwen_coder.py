@@ -4,6 +4,8 @@ reference on real rows, every layer runs as the fused decoder-layer op, the engi
 file's size in weights and writes sensible code, the same tokens alone and batched. Skips when
 the model is not pulled (`agentx models pull qwen2.5-coder-1.5b`)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, model_stor
 from agentx.engine.models.blocks import DecoderLayer
 from agentx.engine.models.layers import MIXED, QuantizableLinear
 from agentx.engine.models.loader import load_checkpoint
+from agentx.engine.models.loader.gguf import mostly_file_backed
 from agentx.engine.models.loader.gguf_file import GGUFFile
 from agentx.engine.models.quant import KQuantTensor
 from agentx.kernels import cpu
@@ -37,6 +40,29 @@ def test_kquant_tensors_read_exactly():
         want = gguf_dequantize(rows, tensor.tensor_type).reshape(8, -1)
         got = kquant.dequantize(torch.from_numpy(rows.copy()), int(tensor.tensor_type))
         assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32)), name
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file this process maps at ``address`` (/proc/self/maps), None for anonymous memory."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(v, 16) for v in parts[0].split("-"))
+        if lo <= address < hi:
+            return parts[5] if len(parts) == 6 else None
+    return None
+
+
+def test_kquant_blocks_are_the_mapped_file_and_not_cached_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTX_CACHE_DIR", str(tmp_path))
+    checkpoint = load_checkpoint(PATH, keep_quantized=True)
+    assert mostly_file_backed(checkpoint)
+    # no 1 GB copy of the file under the cache: reading the GGUF again costs the same
+    assert not list(tmp_path.glob("checkpoints/*.pt"))
+    down = checkpoint.weights["model.layers.0.mlp.down_proj.weight"]
+    assert _mapped_file(down.data.data_ptr()) == str(PATH.resolve())
+    reader = GGUFFile(PATH)
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert np.array_equal(down.data.numpy().reshape(-1), np.asarray(raw.data).reshape(-1))
 
 
 @pytest.mark.skipif(not cpu.available(), reason="the compiled CPU kernels are unavailable")

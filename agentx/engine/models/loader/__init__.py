@@ -129,10 +129,15 @@ def load_checkpoint(
         return load_hf_folder(path, dtype)
     if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
         from agentx.engine.models.loader import cache
-        from agentx.engine.models.loader.gguf import load_gguf
+        from agentx.engine.models.loader.gguf import load_gguf, mostly_file_backed
 
         options = f"{dtype}|{'quantized' if keep_quantized else 'float'}"
-        return cache.cached(path, options, lambda: load_gguf(path, dtype, keep_quantized))
+        return cache.cached(
+            path,
+            options,
+            lambda: load_gguf(path, dtype, keep_quantized),
+            lambda checkpoint: not mostly_file_backed(checkpoint),
+        )
     raise ModelLoadError(f"{path}: neither a GGUF file nor a Hugging Face model folder")
 
 

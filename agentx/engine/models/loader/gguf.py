@@ -201,6 +201,22 @@ def _read_weights(
     return weights
 
 
+def mostly_file_backed(checkpoint: Checkpoint) -> bool:
+    """Whether at least 90% of ``checkpoint``'s weight bytes are K-quant blocks, which
+    ``load_gguf`` leaves as views of the mapped file (so a cached copy would not be faster)."""
+    kept = total = 0
+    for value in checkpoint.weights.values():
+        if isinstance(value, KQuantTensor):
+            size = value.data.numel()
+            kept += size
+        elif isinstance(value, QuantizedTensor):
+            size = sum(t.numel() * t.element_size() for t in (value.q, value.scale, value.mins))
+        else:
+            size = value.numel() * value.element_size()
+        total += size
+    return total > 0 and kept >= 0.9 * total
+
+
 # GGUF block layouts kept as they are: (bits, bytes a block of 32)
 _KEPT_TYPES = {GGMLQuantizationType.Q4_1: (4, 20), GGMLQuantizationType.Q8_0: (8, 34)}
 _KQUANT_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
@@ -211,7 +227,9 @@ def _read_quantized(tensor: GGUFTensor) -> QuantizedTensor | KQuantTensor | None
     32 int8) matrices as their integers and scales, exactly; Q4_K / Q6_K matrices as their
     blocks (one row of the matrix a row of bytes); None for any other type."""
     if tensor.tensor_type in _KQUANT_TYPES and len(tensor.shape) == 2:
-        rows = np.array(tensor.data).reshape(int(tensor.shape[1]), -1)  # a copy: not the mmap
+        # a view of the file (mapped copy-on-write: nothing here writes it, and a write would
+        # stay private): no copy, and pages are read as the kernels first touch them
+        rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
         return KQuantTensor(torch.from_numpy(rows), int(tensor.tensor_type))
     kept = _KEPT_TYPES.get(tensor.tensor_type)
     if kept is None or len(tensor.shape) != 2:

@@ -6,7 +6,9 @@
 arrays of numbers with one ``np.frombuffer`` each. It offers what the loaders use:
 ``get_field(key)`` (``.types``, ``.contents()``), ``tensors`` (``name``, ``shape`` fastest
 dimension first, ``tensor_type``, ``data`` as a read-only view of the mapped file in the same
-dtype and shape ``GGUFReader`` gives) and ``path``. Tensor data is never copied here.
+dtype and shape ``GGUFReader`` gives) and ``path``. Tensor data is never copied here: the file is
+mapped copy-on-write, so the views are writable arrays whose writes (agentx makes none) would
+stay in this process.
 
 Layout (little-endian; GGUF v2 and v3)::
 
@@ -127,7 +129,7 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         with open(self.path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         buf = memoryview(self._map)
         try:
             self.fields, self.tensors = _parse(buf)

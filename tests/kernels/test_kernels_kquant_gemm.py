@@ -1,7 +1,7 @@
 """The K-quant GEMMs (many rows, qlinear_kquant_gemm.cpp and _avx512.cpp) give the row-group
 path's bits.
 
-From kKquantGemmRows (32) rows on, each ISA's GEMM runs every weight super-block once against
+From kKquantGemmRows (32; 16 on AVX-512) rows on, each ISA's GEMM runs every weight super-block once against
 all rows; fewer rows take the row groups of <= 4. Since the row-group path's rows are
 independent, each GEMM row must equal the same rows run in groups of 4 and the reference, bit
 for bit, on every ISA this CPU runs, on awkward widths (a partial 8- or 16-column group, a

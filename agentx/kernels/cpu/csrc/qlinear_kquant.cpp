@@ -369,8 +369,9 @@ void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& 
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   // Many rows: each super-block unpacked once for all of them (qlinear_kquant_gemm*.cpp, the
   // same bits).
-  if (m >= kKquantGemmRows) {
-    if (kernel_isa(-1) == kIsaAvx512) {
+  const bool avx512 = kernel_isa(-1) == kIsaAvx512;
+  if (m >= (avx512 ? kKquantGemmRowsAvx512 : kKquantGemmRows)) {
+    if (avx512) {
       kquant_gemm_avx512(type, w, row_bytes, n, a.xq, a.dx, a.sums, k, m, y, ldy);
     } else {
       kquant_gemm_avx2(type, w, row_bytes, n, a.xq, a.dx, a.sums, k, m, y, ldy);

@@ -19,6 +19,10 @@ a PASSED it kept editing and testing until the turn limit, so the loop ends at t
 ``run_tests`` (as a CI gate would); offered ``tool_choice="auto"`` it wrote a plan in prose with
 imagined file contents instead of reading them, so every turn must be a call (``"required"``),
 and one call only: allowed several, it queued four edits before reading the file they edit.
+Greedy, it also repeated a refused call verbatim until the turn limit: a call that repeats the
+previous turn's is answered with its result and a note that it is a repeat, and the next turn
+samples (temperature ``RETRY_TEMPERATURE``, seeded by the turn, so runs are reproducible)
+instead of decoding greedily into the same reply.
 
 The loop calls tools until the tests pass or the turn limit is reached; then the tests run once
 more and decide success. ``transcript=True`` prints each turn: the raw reply, the parsed calls
@@ -52,6 +56,8 @@ PASSED = "PASSED"
 # Every turn is a call, written under the format's grammar: offered "auto", Qwen2.5-Coder
 # answers the task with a plan in prose and imagined file contents (512 tokens, no call).
 TOOL_CHOICE = "required"
+RETRY_TEMPERATURE = 0.7  # the turn after a repeated call
+REPEAT_NOTE = "\n(note: this is the same call as your previous turn; try something different)"
 
 
 class TaskWorkspace:
@@ -171,6 +177,13 @@ class TaskWorkspace:
         return [Tool.from_function(fn) for fn in functions]
 
 
+def _call_text(call) -> str:
+    """A call as text, to tell a repeat: its name and arguments (or its unparsed text)."""
+    if not call.ok:
+        return call.raw
+    return f"{call.name}({json.dumps(call.arguments, sort_keys=True)})"
+
+
 def _failure_lines(output: str) -> str:
     """pytest's output without the separator rules, progress dots and the temp folder path."""
     kept = []
@@ -208,6 +221,8 @@ async def run_task(
     t0 = time.perf_counter()
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        previous: list[str] = []  # the last turn's calls, as text
+        repeats = 0
         files = ", ".join(sorted(p.name for p in task.glob("*.py")))
         ask = f"{(task / 'TASK.md').read_text().strip()}\nThe files: {files}."
         async with Session(engine, tools=workspace.tools(), system=SYSTEM, sampling=sampling) as s:
@@ -217,11 +232,24 @@ async def run_task(
                 results = [await _execute(s.tools, call) for call in reply.tool_calls]
                 if transcript:
                     _print_turn(reply, results)
+                calls = [_call_text(call) for call in reply.tool_calls]
+                repeated = calls == previous
+                previous = calls
                 for call, (content, is_error) in zip(reply.tool_calls, results, strict=True):
-                    s.add_tool_result(call.id, content, is_error)
+                    s.add_tool_result(
+                        call.id, content + (REPEAT_NOTE if repeated else ""), is_error
+                    )
                 if any(content.startswith(PASSED) for content, _ in results) or turns >= max_turns:
                     break
-                reply = await s.send(tool_choice=TOOL_CHOICE, parallel_tool_calls=False)
+                retry = None
+                if repeated:  # greedy would write the same reply again
+                    repeats += 1
+                    retry = SamplingParams(
+                        max_tokens=max_tokens, temperature=RETRY_TEMPERATURE, seed=turns
+                    )
+                reply = await s.send(
+                    tool_choice=TOOL_CHOICE, parallel_tool_calls=False, sampling=retry
+                )
                 turns += 1
             if transcript and not reply.tool_calls:
                 _print_turn(reply, [])
@@ -236,6 +264,7 @@ async def run_task(
         "prompt_tokens": usage.prompt_tokens,
         "computed_tokens": usage.computed_tokens,
         "output_tokens": usage.output_tokens,
+        "repeated_calls": repeats,
         "seconds": round(time.perf_counter() - t0, 1),
         "last_reply": reply.content.strip()[:LAST_REPLY_CHARS],
     }

@@ -57,3 +57,16 @@ def test_tools_read_refuse_and_fix(workspace):
     )
     assert workspace.run_tests() == "PASSED: all tests pass, the task is done."
     assert "== 1" in (TASK / "parity.py").read_text()  # the task folder stays broken
+
+
+def test_a_repeated_call_is_told_apart_by_name_and_arguments():
+    class Call:
+        def __init__(self, name, arguments, ok=True, raw=""):
+            self.name, self.arguments, self.ok, self.raw = name, arguments, ok, raw
+
+    text = _coding_tasks._call_text
+    a = Call("replace_in_file", {"path": "p.py", "old": "x", "new": "y"})
+    same = Call("replace_in_file", {"new": "y", "old": "x", "path": "p.py"})  # key order aside
+    other = Call("replace_in_file", {"path": "p.py", "old": "x", "new": "z"})
+    assert text(a) == text(same) != text(other)
+    assert text(Call("", {}, ok=False, raw='<tool_call>{"name": }')) == '<tool_call>{"name": }'

@@ -14,7 +14,9 @@ so the folders stay broken for the next run. The agent gets five tools over that
 Why these shapes (from the transcripts of Qwen2.5-Coder-1.5B): asked to rewrite a whole file
 it renames the function it fixes, so the precise ``replace_in_file`` comes first; pytest's
 plugin warnings and progress bars buried the one ``E`` line that says what is wrong; it edited
-a test to match the bug and made edits that change nothing, which the tools now refuse; after
+a test to match the bug and made edits that change nothing, which the tools now refuse; it
+never read a file again after editing it, so an edit answers with the edited lines (numbered,
+with two around them), and an ambiguous `old` with the lines it occurs on; after
 a PASSED it kept editing and testing until the turn limit, so the loop ends at the first passing
 ``run_tests`` (as a CI gate would); offered ``tool_choice="auto"`` it wrote a plan in prose with
 imagined file contents instead of reading them, so every turn must be a call (``"required"``),
@@ -57,6 +59,7 @@ PASSED = "PASSED"
 # answers the task with a plan in prose and imagined file contents (512 tokens, no call).
 TOOL_CHOICE = "required"
 RETRY_TEMPERATURE = 0.7  # the turn after a repeated call
+EDIT_CONTEXT_LINES = 2  # an edit's result shows the edited lines and this many around them
 REPEAT_NOTE = "\n(note: this is the same call as your previous turn; try something different)"
 
 
@@ -114,11 +117,21 @@ class TaskWorkspace:
             raise ValueError("`new` is the same as `old`: nothing would change")
         text = target.read_text()
         count = text.count(old) if old else 0
-        if count != 1:
-            where = "does not occur" if count == 0 else f"occurs {count} times"
-            raise ValueError(f"`old` {where} in {path}; copy it exactly from read_file's output")
-        target.write_text(text.replace(old, new))
-        return f"replaced 1 occurrence in {path}"
+        if count == 0:
+            raise ValueError(f"`old` does not occur in {path}; copy it exactly from read_file")
+        if count > 1:
+            lines = [n for n, line in enumerate(text.splitlines(), 1) if old in line]
+            raise ValueError(
+                f"`old` occurs {count} times in {path} (lines {', '.join(map(str, lines))}); "
+                "include a neighbouring line in `old` so that it occurs once"
+            )
+        start = text.index(old)
+        edited = text.replace(old, new)
+        target.write_text(edited)
+        first = text.count("\n", 0, start) + 1
+        return f"replaced 1 occurrence in {path}; now:\n" + _numbered(
+            edited, first - EDIT_CONTEXT_LINES, first + new.count("\n") + EDIT_CONTEXT_LINES
+        )
 
     def write_file(self, path: str, content: str) -> str:
         """Replace the whole content of one existing file of the task.
@@ -177,6 +190,13 @@ class TaskWorkspace:
         return [Tool.from_function(fn) for fn in functions]
 
 
+def _numbered(text: str, first: int, last: int) -> str:
+    """Lines first..last (1-based, clipped to the text) as `N| line`."""
+    lines = text.splitlines()
+    lo, hi = max(first, 1), min(last, len(lines))
+    return "\n".join(f"{n}| {lines[n - 1]}" for n in range(lo, hi + 1))
+
+
 def _call_text(call) -> str:
     """A call as text, to tell a repeat: its name and arguments (or its unparsed text)."""
     if not call.ok:
@@ -185,12 +205,22 @@ def _call_text(call) -> str:
 
 
 def _failure_lines(output: str) -> str:
-    """pytest's output without the separator rules, progress dots and the temp folder path."""
+    """pytest's output without the separator rules, progress dots, and the frames (with the
+    source lines they quote) of pytest and the standard library: a task module that fails to
+    import (a SyntaxError after an edit) otherwise leads with ~30 lines of importlib."""
     kept = []
+    skip_quote = False
     for line in output.splitlines():
         stripped = line.strip()
         if not stripped or set(stripped) <= set("=_-!. ") or stripped.endswith("%]"):
             continue
+        outside = ("site-packages", "/lib/python", "<frozen ")
+        if line[:1] not in " E" and any(part in line for part in outside):
+            skip_quote = True  # a frame outside the task: drop it and the source it quotes
+            continue
+        if skip_quote and line.startswith(" "):
+            continue
+        skip_quote = False
         kept.append(line)
     return "\n".join(kept)
 

@@ -12,6 +12,10 @@ sys.path.insert(0, str(ROOT / "examples"))
 import _coding_tasks  # noqa: E402
 
 TASK = ROOT / "examples" / "coding_tasks" / "02_is_even"
+# the fixed line 3 and the two lines above it (the file has no lines below)
+EDITED = (
+    '1| def is_even(n: int) -> bool:\n2|     """Whether n is even."""\n3|     return n % 2 == 0'
+)
 
 
 @pytest.fixture
@@ -44,7 +48,7 @@ def test_tools_read_refuse_and_fix(workspace):
         workspace.replace_in_file("parity.py", "== 1", "== 1")
     with pytest.raises(ValueError, match="does not occur"):
         workspace.replace_in_file("parity.py", "n % 3", "n % 2")
-    with pytest.raises(ValueError, match="occurs 2 times"):
+    with pytest.raises(ValueError, match=r"occurs 2 times in parity.py \(lines 1, 2\)"):
         workspace.replace_in_file("parity.py", "even", "odd")
 
     failed = workspace.run_tests()
@@ -53,7 +57,7 @@ def test_tools_read_refuse_and_fix(workspace):
     assert workspace.read_file("TASK.md") == (TASK / "TASK.md").read_text()  # untouched
 
     assert workspace.replace_in_file("parity.py", "== 1", "== 0") == (
-        "replaced 1 occurrence in parity.py"
+        "replaced 1 occurrence in parity.py; now:\n" + EDITED
     )
     assert workspace.run_tests() == "PASSED: all tests pass, the task is done."
     assert "== 1" in (TASK / "parity.py").read_text()  # the task folder stays broken
@@ -70,3 +74,10 @@ def test_a_repeated_call_is_told_apart_by_name_and_arguments():
     other = Call("replace_in_file", {"path": "p.py", "old": "x", "new": "z"})
     assert text(a) == text(same) != text(other)
     assert text(Call("", {}, ok=False, raw='<tool_call>{"name": }')) == '<tool_call>{"name": }'
+
+
+def test_an_edit_that_breaks_the_import_reports_the_error_not_importlib(workspace):
+    workspace.replace_in_file("parity.py", "    return", "  return")
+    failed = workspace.run_tests()
+    assert "IndentationError" in failed and "parity.py" in failed
+    assert "importlib" not in failed and "site-packages" not in failed

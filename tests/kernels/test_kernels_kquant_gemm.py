@@ -1,12 +1,12 @@
 """The K-quant GEMMs (many rows, qlinear_kquant_gemm.cpp and _avx512.cpp) give the row-group
 path's bits.
 
-From kKquantGemmRows (32; 16 on AVX-512) rows on, each ISA's GEMM runs every weight super-block once against
-all rows; fewer rows take the row groups of <= 4. Since the row-group path's rows are
-independent, each GEMM row must equal the same rows run in groups of 4 and the reference, bit
-for bit, on every ISA this CPU runs, on awkward widths (a partial 8- or 16-column group, a
-partial 32- or 48-column tile), with 1 and 2 threads, and on the extreme weight and activation
-values where a 16-bit intermediate could saturate.
+From kKquantGemmRows (32; 16 on AVX-512) rows on, each ISA's GEMM runs every weight
+super-block once against all rows; fewer rows take the row groups of <= 4. Since the row-group
+path's rows are independent, each GEMM row must equal the same rows run in groups of 4 and the
+reference, bit for bit, on every ISA this CPU runs, on awkward widths (a partial 8- or 16-column
+group, a partial 32- or 48-column tile), with 1 and 2 threads, and on the extreme weight and
+activation values where a 16-bit intermediate could saturate.
 """
 
 import pytest

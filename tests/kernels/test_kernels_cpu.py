@@ -128,8 +128,10 @@ def _decode_case(dtype, heads, kv_heads, head_dim, block_size, window):
 DECODE_CASES = [
     (9, 3, 64, 16, None),
     (4, 4, 128, 32, None),
-    (8, 2, 256, 16, 100),
+    (8, 2, 256, 16, 100),  # groups of 4: AVX-512 passes of 3 + 1 heads
     (9, 3, 64, 16, 5),
+    (12, 2, 128, 16, None),  # Qwen2.5's groups of 6: one AVX-512 pass, two AVX2 passes
+    (16, 2, 64, 32, None),  # groups of 8: 6 + 2 heads on AVX-512, 3 + 3 + 2 on AVX2
 ]
 
 

@@ -386,14 +386,27 @@ inline void head_segments(const Segment<T>* segs, int64_t nsegs, int64_t head, S
   for (int64_t s = 0; s < nsegs; ++s) out[s] = {segs[s].k + head, segs[s].v + head, segs[s].count};
 }
 
+// Query heads a pass over one KV head's keys: each K/V load (and bf16 widening) serves all of
+// them. AVX-512 has the registers for 6 (row_values: 24 accumulators; Qwen2.5's group of 6 in
+// one pass, not two), AVX2 for 3. Every head's arithmetic is the same either way.
+template <bool Wide>
+constexpr int64_t kHeadsAPass = Wide ? 6 : 3;
+
 template <typename T, int D, bool Wide>
 inline void fold_heads(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
                        float scale, float* score, State* st, int64_t group, Prefetcher* pf) {
-  State* ptrs[3];
-  for (int64_t g = 0; g < group; g += 3) {
-    const int64_t nh = std::min<int64_t>(3, group - g);
+  State* ptrs[kHeadsAPass<Wide>];
+  for (int64_t g = 0; g < group;) {
+    const int64_t nh = std::min<int64_t>(group - g >= 6 ? kHeadsAPass<Wide> : 3, group - g);
     for (int64_t h = 0; h < nh; ++h) ptrs[h] = st + g + h;
     const float* qg = q + g * D;
+    g += nh;
+    if constexpr (Wide) {
+      if (nh == 6) {
+        fold_chunk<T, D, 6, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
+        continue;
+      }
+    }
     if (nh == 3) {
       fold_chunk<T, D, 3, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
     } else if (nh == 2) {
@@ -434,7 +447,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
                  const int64_t* table, int64_t lo, const int64_t* ends, int64_t tile_rows,
                  int64_t block_size, int64_t num_kv_heads, int64_t group, float scale,
                  State* states) {
-  alignas(32) float score[3 * kScoreStride];
+  alignas(32) float score[kHeadsAPass<Wide> * kScoreStride];
   const int64_t chunk = std::max(kChunkTokens, block_size);
   const int64_t row = D + kRowExtra<T>;  // one (token, KV head) row
   const int64_t token_stride = num_kv_heads * row, heads = num_kv_heads * group;
@@ -468,7 +481,9 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
       for (int64_t r = 0; r < tile_rows; ++r) {
         calls += std::max<int64_t>(0, std::min(end, ends[r]) - start);
       }
-      calls *= num_kv_heads * ((group + 2) / 3) * (Wide ? D / 64 : D / 32);
+      const int64_t passes =
+          Wide && group >= 6 ? group / 6 + (group % 6 + 2) / 3 : (group + 2) / 3;
+      calls *= num_kv_heads * passes * (Wide ? D / 64 : D / 32);
       pf.want = calls > 0 ? (lines + calls - 1) / calls : lines;
     }
     int64_t nsegs = 0;

@@ -275,10 +275,10 @@ def _dequantize(tensor: GGUFTensor) -> torch.Tensor:
         array = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
         raise ModelLoadError(f"GGUF tensor {tensor.name}: {exc}") from exc
+    if np.may_share_memory(array, tensor.data):  # F32 comes back as a view of the mapped file
+        array = array.copy()
     # GGUF lists dimensions fastest-varying first: [in, out] for a Hugging Face (out, in) matrix.
     array = array.reshape(tuple(int(n) for n in reversed(tensor.shape)))
-    if not array.flags.writeable:  # F32 comes back as a view of the read-only memory map
-        array = array.copy()
     return torch.from_numpy(array)
 
 

@@ -5,10 +5,10 @@
 ``Engine()`` on the default model; this reader walks the header with ``struct`` and reads
 arrays of numbers with one ``np.frombuffer`` each. It offers what the loaders use:
 ``get_field(key)`` (``.types``, ``.contents()``), ``tensors`` (``name``, ``shape`` fastest
-dimension first, ``tensor_type``, ``data`` as a read-only view of the mapped file in the same
-dtype and shape ``GGUFReader`` gives) and ``path``. Tensor data is never copied here: the file is
-mapped copy-on-write, so the views are writable arrays whose writes (agentx makes none) would
-stay in this process.
+dimension first, ``tensor_type``, ``data`` as a view of the mapped file in the same dtype and
+shape ``GGUFReader`` gives) and ``path``. Tensor data is never copied here: the file is mapped
+copy-on-write, so the views are writable arrays whose writes (agentx makes none) would stay in
+this process and never reach the file.
 
 Layout (little-endian; GGUF v2 and v3)::
 

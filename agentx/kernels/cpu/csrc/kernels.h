@@ -61,8 +61,9 @@ void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& 
 // kquant.h's Rows) to the GEMM of its ISA (qlinear_kquant_gemm.cpp, _avx512.cpp): all n
 // columns into y, the same bits.
 constexpr int64_t kKquantGemmRows = 32;  // measured: at 16 rows down (K = 8960) ran slower
-// AVX-512's GEMM from 16 rows (measured on Zen 4 at 2 threads, Qwen2.5-Coder-1.5B's shapes: at
-// 16 rows 5-30% faster than 4 groups of 4, at 12 slower on gate_up and down)
+// AVX-512's GEMM from 16 rows (Zen 4, Qwen2.5-Coder-1.5B's shapes: at 16 rows 5-30% faster
+// than 4 groups of 4). With weights in cache it wins from 8 rows too, but an 8 x 2K decode step
+// (weights from DRAM) took 94 ms with it against 78-81 ms on the row groups.
 constexpr int64_t kKquantGemmRowsAvx512 = 16;
 void kquant_gemm_avx2(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n,
                       const int8_t* xq, const float* dx, const int16_t* sums, int64_t k,

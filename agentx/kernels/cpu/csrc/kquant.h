@@ -9,8 +9,12 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#include "parallel.h"
 
 namespace agentx {
 namespace kquant {
@@ -196,6 +200,45 @@ inline void interleave8(const uint8_t (*cols)[kBlock], uint8_t* dst, int64_t str
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (s0 + i + 4) * stride),
                           _mm256_permute2x128_si256(u[i], u[i + 4], 0x31));
     }
+  }
+}
+
+// The GEMMs' drive: threads split the column tiles (tile_cols wide, the last one narrower) and
+// run each tile's rows in chunks of row_chunk: run(tile, n0, ncols, m0, m1).
+template <class Tile, class F>
+void for_each_tile(int64_t n, int64_t m, int64_t tile_cols, int64_t row_chunk, const F& run) {
+  parallel_for(0, (n + tile_cols - 1) / tile_cols, 1, [&](int64_t t0, int64_t t1) {
+    Tile tile;
+    for (int64_t i = t0; i < t1; ++i) {
+      const int64_t n0 = i * tile_cols;
+      const int ncols = static_cast<int>(std::min(tile_cols, n - n0));
+      for (int64_t m0 = 0; m0 < m; m0 += row_chunk) {
+        run(tile, n0, ncols, m0, std::min(m, m0 + row_chunk));
+      }
+    }
+  });
+}
+
+// The next super-block (b + 1, `bytes` each) of columns [n0, n0 + ncols): strided streams
+// (row_bytes apart) the hardware prefetcher does not follow when K is long (down: 5 KB apart).
+inline void prefetch_next_block(const uint8_t* w, int64_t row_bytes, int64_t n0, int ncols,
+                                int64_t b, int64_t bytes) {
+  for (int c = 0; c < ncols; ++c) {
+    const char* next = reinterpret_cast<const char*>(w + (n0 + c) * row_bytes + (b + 1) * bytes);
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+  }
+}
+
+// Rows [m0, m1) four at a time, then the 1-3 left: block(std::integral_constant<int, R>, r0).
+template <class F>
+inline void rows_by_4(int64_t m0, int64_t m1, const F& block) {
+  int64_t r0 = m0;
+  for (; r0 + 4 <= m1; r0 += 4) block(std::integral_constant<int, 4>{}, r0);
+  switch (m1 - r0) {
+    case 3: block(std::integral_constant<int, 3>{}, r0); break;
+    case 2: block(std::integral_constant<int, 2>{}, r0); break;
+    case 1: block(std::integral_constant<int, 1>{}, r0); break;
+    default: break;
   }
 }
 

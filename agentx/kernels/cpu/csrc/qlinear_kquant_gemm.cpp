@@ -232,12 +232,7 @@ void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int ncols, const
   for (int g = groups; g < kGroups; ++g) clear_group(t, g);
   alignas(32) uint8_t cols[8][kBlock];
   for (int64_t b = 0; b < a.blocks; ++b) {
-    // the next block of every column: 32 strided streams (row_bytes apart) that the hardware
-    // prefetcher does not follow when K is long (down: 5 KB apart)
-    for (int c = 0; b + 1 < a.blocks && c < ncols; ++c) {
-      const char* next = reinterpret_cast<const char*>(w + (n0 + c) * row_bytes + (b + 1) * bytes);
-      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-    }
+    if (b + 1 < a.blocks) kquant::prefetch_next_block(w, row_bytes, n0, ncols, b, bytes);
     for (int g = 0; g < groups; ++g) {
       for (int c = 0; c < 8; ++c) {
         if (8 * g + c >= ncols) {  // a partial group: zeros past the end
@@ -253,14 +248,9 @@ void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int ncols, const
       }
       kquant::interleave8(cols, t.q[g][0], 32);
     }
-    int64_t r0 = m0;
-    for (; r0 + 4 <= m1; r0 += 4) rows_block<4, Type>(t, ncols, a, r0, b, y + n0, ldy);
-    switch (m1 - r0) {
-      case 3: rows_block<3, Type>(t, ncols, a, r0, b, y + n0, ldy); break;
-      case 2: rows_block<2, Type>(t, ncols, a, r0, b, y + n0, ldy); break;
-      case 1: rows_block<1, Type>(t, ncols, a, r0, b, y + n0, ldy); break;
-      default: break;
-    }
+    kquant::rows_by_4(m0, m1, [&](auto rows, int64_t r0) {
+      rows_block<decltype(rows)::value, Type>(t, ncols, a, r0, b, y + n0, ldy);
+    });
   }
 }
 
@@ -270,19 +260,12 @@ void kquant_gemm_avx2(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t
                       const int8_t* xq, const float* dx, const int16_t* sums, int64_t k,
                       int64_t m, float* y, int64_t ldy) {
   const Rows a{xq, dx, sums, k, k / kBlock};
-  parallel_for(0, (n + kTileCols - 1) / kTileCols, 1, [&](int64_t t0, int64_t t1) {
-    Tile tile;
-    for (int64_t i = t0; i < t1; ++i) {
-      const int64_t n0 = i * kTileCols;
-      const int ncols = static_cast<int>(std::min(kTileCols, n - n0));
-      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
-        const int64_t m1 = std::min(m, m0 + kRowChunk);
-        if (type == kQ4K) {
-          tile_rows<kQ4K>(w, row_bytes, n0, ncols, a, m0, m1, y, ldy, tile);
-        } else {
-          tile_rows<kQ6K>(w, row_bytes, n0, ncols, a, m0, m1, y, ldy, tile);
-        }
-      }
+  kquant::for_each_tile<Tile>(n, m, kTileCols, kRowChunk, [&](Tile& tile, int64_t n0, int ncols,
+                                                              int64_t m0, int64_t m1) {
+    if (type == kQ4K) {
+      tile_rows<kQ4K>(w, row_bytes, n0, ncols, a, m0, m1, y, ldy, tile);
+    } else {
+      tile_rows<kQ6K>(w, row_bytes, n0, ncols, a, m0, m1, y, ldy, tile);
     }
   });
 }

@@ -3,7 +3,7 @@
 //
 // Each thread takes tiles of kTileCols (48) output columns; for each super-block b it unpacks
 // the tile's weights once into an L1-resident Tile (one byte a weight, 16 columns interleaved in
-// the int32 lanes of a zmm) and runs up to 256 rows against it, kRowsAt rows x the tile's 48
+// the int32 lanes of a zmm) and runs up to 256 rows against it, 4 rows x the tile's 48
 // columns of accumulators at a time:
 //
 //   for tile of 48 columns:             (threads split the tiles)
@@ -43,9 +43,10 @@ using kquant::kBlock;
 using kquant::Rows;
 
 constexpr int kLanes = 16;   // columns a group: the int32 lanes of a zmm
-constexpr int kGroups = 3;   // 12 KB of weights + 5 KB of scales: stays in L1
+// 12 KB of weights + 5 KB of scales: stays in L1; a call of dots (4 rows, kquant::rows_by_4)
+// keeps 4 x 3 sub-block and 4 x 3 block accumulators
+constexpr int kGroups = 3;
 constexpr int64_t kTileCols = kLanes * kGroups;
-constexpr int kRowsAt = 4;   // 4 rows x 3 groups: 12 sub-block and 12 block accumulators
 constexpr int64_t kRowChunk = 256;  // rows a pass over a tile (their x and y stay in L2)
 constexpr int kSteps = kBlock / 4;  // 4-weight steps a super-block
 
@@ -322,22 +323,11 @@ AGENTX_AVX512 void tile_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, in
                              Tile& t) {
   constexpr int64_t bytes = Type == kQ4K ? kquant::kQ4KBytes : kquant::kQ6KBytes;
   for (int64_t b = 0; b < a.blocks; ++b) {
-    // the next block of every column: strided streams the hardware prefetcher does not follow
-    for (int c = 0; b + 1 < a.blocks && c < ncols; ++c) {
-      const char* next = reinterpret_cast<const char*>(w + (n0 + c) * row_bytes + (b + 1) * bytes);
-      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-    }
+    if (b + 1 < a.blocks) kquant::prefetch_next_block(w, row_bytes, n0, ncols, b, bytes);
     unpack<Type>(w, row_bytes, n0, ncols, b, t);
-    int64_t r0 = m0;
-    for (; r0 + kRowsAt <= m1; r0 += kRowsAt) {
-      rows_block<kRowsAt, Type>(t, ncols, a, r0, b, y + n0, ldy);
-    }
-    switch (m1 - r0) {
-      case 3: rows_block<3, Type>(t, ncols, a, r0, b, y + n0, ldy); break;
-      case 2: rows_block<2, Type>(t, ncols, a, r0, b, y + n0, ldy); break;
-      case 1: rows_block<1, Type>(t, ncols, a, r0, b, y + n0, ldy); break;
-      default: break;
-    }
+    kquant::rows_by_4(m0, m1, [&](auto rows, int64_t r0) {
+      rows_block<decltype(rows)::value, Type>(t, ncols, a, r0, b, y + n0, ldy);
+    });
   }
 }
 
@@ -347,19 +337,12 @@ void kquant_gemm_avx512(int64_t type, const uint8_t* w, int64_t row_bytes, int64
                         const int8_t* xq, const float* dx, const int16_t* sums, int64_t k,
                         int64_t m, float* y, int64_t ldy) {
   const Rows a{xq, dx, sums, k, k / kBlock};
-  parallel_for(0, (n + kTileCols - 1) / kTileCols, 1, [&](int64_t t0, int64_t t1) {
-    Tile tile;
-    for (int64_t i = t0; i < t1; ++i) {
-      const int64_t n0 = i * kTileCols;
-      const int ncols = static_cast<int>(std::min(kTileCols, n - n0));
-      for (int64_t m0 = 0; m0 < m; m0 += kRowChunk) {
-        const int64_t m1 = std::min(m, m0 + kRowChunk);
-        if (type == kQ4K) {
-          tile_rows<kQ4K>(w, row_bytes, n0, ncols, a, m0, m1, y, ldy, tile);
-        } else {
-          tile_rows<kQ6K>(w, row_bytes, n0, ncols, a, m0, m1, y, ldy, tile);
-        }
-      }
+  kquant::for_each_tile<Tile>(n, m, kTileCols, kRowChunk, [&](Tile& tile, int64_t n0, int ncols,
+                                                              int64_t m0, int64_t m1) {
+    if (type == kQ4K) {
+      tile_rows<kQ4K>(w, row_bytes, n0, ncols, a, m0, m1, y, ldy, tile);
+    } else {
+      tile_rows<kQ6K>(w, row_bytes, n0, ncols, a, m0, m1, y, ldy, tile);
     }
   });
 }

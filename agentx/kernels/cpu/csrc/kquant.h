@@ -159,7 +159,9 @@ inline void q4k_weight_bytes(const uint8_t* blk, uint8_t* col) {
 inline void q6k_weight_bytes(const uint8_t* blk, uint8_t* col) {
   const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
   const __m256i mid = _mm256_set1_epi8(0x0C), top = _mm256_set1_epi8(0x30);
-  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto load = [](const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  };
   auto store = [](uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); };
   for (int h = 0; h < 2; ++h) {  // 128 weights: 64 low-nibble bytes, 32 bytes of 2-bit highs
     const __m256i l0 = load(blk + 64 * h), l1 = load(blk + 64 * h + 32);

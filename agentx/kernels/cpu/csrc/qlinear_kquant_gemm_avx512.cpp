@@ -145,7 +145,8 @@ AGENTX_AVX512 void unpack_q4k_group(const uint8_t* const* blk, Tile& t, int g) {
   // header dwords: z[q] = columns 4 q .. 4 q + 3, 4 dwords each
   __m512i z[4];
   for (int q = 0; q < 4; ++q) {
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[4 * q])));
+    const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[4 * q]));
+    __m512i v = _mm512_castsi128_si512(first);
     for (int i = 1; i < 4; ++i) {
       const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[4 * q + i]));
       v = _mm512_inserti32x4(v, x, i);
@@ -163,8 +164,9 @@ AGENTX_AVX512 void unpack_q4k_group(const uint8_t* const* blk, Tile& t, int g) {
   const __m512i six = _mm512_set1_epi32(0x3F3F3F3F), four = _mm512_set1_epi32(0x0F0F0F0F);
   const __m512i two = _mm512_set1_epi32(0x03030303), byte = _mm512_set1_epi32(0xFF);
   const __m512i sc_lo = _mm512_and_si512(u1, six), m_lo = _mm512_and_si512(u2, six);
-  const __m512i sc_hi = _mm512_or_si512(
-      _mm512_and_si512(u3, four), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), two), 4));
+  const __m512i sc_hi =
+      _mm512_or_si512(_mm512_and_si512(u3, four),
+                      _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), two), 4));
   const __m512i m_hi = _mm512_or_si512(
       _mm512_and_si512(_mm512_srli_epi32(u3, 4), four),
       _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u2, 6), two), 4));
@@ -176,13 +178,16 @@ AGENTX_AVX512 void unpack_q4k_group(const uint8_t* const* blk, Tile& t, int g) {
   const __m512i lo_byte = _mm512_set1_epi32(0xFF), second = _mm512_set1_epi32(0xFF00);
   for (int p = 0; p < 2; ++p) {
     const __m512i ml = _mm512_srli_epi32(m_lo, 16 * p), mh = _mm512_srli_epi32(m_hi, 16 * p);
-    _mm512_store_si512(t.pairs[g][p], _mm512_or_si512(_mm512_and_si512(ml, lo_byte),
-                                                      _mm512_slli_epi32(_mm512_and_si512(ml, second), 8)));
-    _mm512_store_si512(t.pairs[g][p + 2], _mm512_or_si512(_mm512_and_si512(mh, lo_byte),
-                                                          _mm512_slli_epi32(_mm512_and_si512(mh, second), 8)));
+    const __m512i lo_pair = _mm512_or_si512(_mm512_and_si512(ml, lo_byte),
+                                            _mm512_slli_epi32(_mm512_and_si512(ml, second), 8));
+    const __m512i hi_pair = _mm512_or_si512(_mm512_and_si512(mh, lo_byte),
+                                            _mm512_slli_epi32(_mm512_and_si512(mh, second), 8));
+    _mm512_store_si512(t.pairs[g][p], lo_pair);
+    _mm512_store_si512(t.pairs[g][p + 2], hi_pair);
   }
   _mm512_store_ps(t.d + kLanes * g, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(u0)));
-  _mm512_store_ps(t.dmin + kLanes * g, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(u0, 16))));
+  const __m256i dmin_half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u0, 16));
+  _mm512_store_ps(t.dmin + kLanes * g, _mm512_cvtph_ps(dmin_half));
 }
 
 // The tile's block b: every column unpacked, then 8 columns at a time interleaved into t.q;
@@ -221,7 +226,8 @@ AGENTX_AVX512 void unpack(const uint8_t* w, int64_t row_bytes, int64_t n0, int n
 // Not inlined: inside rows_block GCC's register allocation adds a copy of each accumulator a
 // step (measured: 2/3 of the standalone function's speed).
 template <int R, int64_t Type>
-AGENTX_AVX512 __attribute__((noinline)) void dots(const Tile& t, const int8_t* const* x, __m512i (*out)[kGroups]) {
+AGENTX_AVX512 __attribute__((noinline)) void dots(const Tile& t, const int8_t* const* x,
+                                                  __m512i (*out)[kGroups]) {
   constexpr int kSub = Type == kQ4K ? 8 : 4;  // steps a sub-block (one scale)
   __m512i acc[R][kGroups];
   for (int r = 0; r < R; ++r) {

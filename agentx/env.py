@@ -11,7 +11,8 @@ Variables:
                        tokenizers, ...); default ``~/.cache/agentx``.
     AGENTX_KERNELS     kernel backend: ``auto`` (default), ``ref``, ``cpu`` or ``triton``.
     AGENTX_CPU_ISA     caps the vector instructions: ``auto`` (default: the best the CPU has),
-                       ``avx2`` or ``avx512``. It picks agentx's compiled kernels' variant and,
+                       ``avx2``, ``avx512`` or ``amx`` (AVX-512 and AMX int8 tiles for the
+                       K-quant GEMM). It picks agentx's compiled kernels' variant and,
                        unless ``ATEN_CPU_CAPABILITY`` is set, torch's own (read when torch
                        loads), so an AVX-512 machine runs what an AVX2-only machine runs.
     AGENTX_SPIN_US     microseconds a thread of the CPU kernels' team spins for the next loop
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 _KERNEL_BACKENDS = ("auto", "ref", "cpu", "triton")
-_CPU_ISAS = ("auto", "avx2", "avx512")
+_CPU_ISAS = ("auto", "avx2", "avx512", "amx")
 
 
 def cache_dir() -> Path:
@@ -113,8 +114,8 @@ def apply_cpu_defaults() -> None:
     if "GOMP_SPINCOUNT" not in os.environ:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     isa = cpu_isa()
-    if isa != "auto":  # torch's dispatch reads it once, when it loads
-        os.environ.setdefault("ATEN_CPU_CAPABILITY", isa)
+    if isa != "auto":  # torch's dispatch reads it once, when it loads (AMX: its AVX-512 code)
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx512" if isa == "amx" else isa)
 
 
 def pin_gloo_to_loopback() -> None:

@@ -9,6 +9,7 @@ Q4_K_M files mix them). Prints the best of --rounds timed calls; 2 M N K flops a
     python benchmarks/kquant_gemm_bench.py                       # M = 64, 256, 512, 2 threads
     python benchmarks/kquant_gemm_bench.py --rows 16,512 --threads 1
     python benchmarks/kquant_gemm_bench.py --threads 1 --cpu-time   # on a shared, loaded box
+    python benchmarks/kquant_gemm_bench.py --isa avx512,amx          # ISAs side by side
 
 Before/after comparisons run this file against another checkout's ``agentx``
 (``PYTHONPATH=/path/to/other/checkout python benchmarks/kquant_gemm_bench.py``).
@@ -92,6 +93,9 @@ def main() -> None:
         action="store_true",
         help="time the calling thread's CPU seconds (with --threads 1: steadier on a loaded box)",
     )
+    parser.add_argument(
+        "--isa", default=None, help="comma-separated kernel ISAs, timed in turn (default: the best)"
+    )
     args = parser.parse_args()
     if args.cpu_time and args.threads != 1:
         raise SystemExit("--cpu-time measures the calling thread only: use it with --threads 1")
@@ -104,17 +108,23 @@ def main() -> None:
         f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads, "
         f"agentx {commit()} ({Path(agentx.__file__).parent}), torch {torch.__version__}"
     )
-    print("| shape | type | N x K | M | ms | GFLOP/s |")
-    print("|---|---|---|---|---|---|")
+    isas = args.isa.split(",") if args.isa else [cpu.get_isa()]
+    print("| shape | type | N x K | M | ISA | ms | GFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(1)
     for name, kind, n, k in SHAPES:
         w = random_weight(n, k, kind)
         type_name = "Q4_K" if kind == kquant.Q4_K else "Q6_K"
         for m in rows:
             x = torch.randn(m, k, generator=gen)
-            best = time_call(x, w, kind, args.rounds, clock)
-            gflops = 2 * m * n * k / best / 1e9
-            print(f"| {name} | {type_name} | {n} x {k} | {m} | {best * 1e3:.1f} | {gflops:.1f} |")
+            for isa in isas:
+                with cpu.use_isa(isa):
+                    best = time_call(x, w, kind, args.rounds, clock)
+                gflops = 2 * m * n * k / best / 1e9
+                print(
+                    f"| {name} | {type_name} | {n} x {k} | {m} | {isa} | {best * 1e3:.1f} "
+                    f"| {gflops:.1f} |"
+                )
 
 
 if __name__ == "__main__":

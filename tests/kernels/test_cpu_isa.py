@@ -48,3 +48,17 @@ def test_avx512_cap_runs_or_says_the_cpu_cannot():
     else:
         assert done.returncode != 0
         assert "this CPU cannot run those kernels" in done.stderr
+
+
+def test_amx_cap_runs_or_says_the_cpu_cannot():
+    from agentx.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the compiled CPU kernels are not built here (no AVX2 / compiler)")
+    done = _run("amx")
+    if cpu.has_amx():  # torch's own dispatch runs its AVX-512 code
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["amx", "AVX512"]
+    else:
+        assert done.returncode != 0
+        assert "this CPU cannot run those kernels" in done.stderr

@@ -187,7 +187,7 @@ def _call_layer(
     return out, k, v
 
 
-ISAS = ["avx2", "avx512"] if cpu.available() and cpu.has_avx512() else ["avx2"]
+ISAS = cpu.isas() if cpu.available() else ["avx2"]
 
 
 @pytest.mark.parametrize("isa", ISAS)

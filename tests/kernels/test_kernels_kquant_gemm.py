@@ -1,12 +1,13 @@
-"""The K-quant GEMMs (many rows, qlinear_kquant_gemm.cpp and _avx512.cpp) give the row-group
-path's bits.
+"""The K-quant GEMMs (many rows, qlinear_kquant_gemm.cpp, _avx512.cpp and _amx.cpp) give the
+row-group path's bits.
 
-From kKquantGemmRows (32; 16 on AVX-512) rows on, each ISA's GEMM runs every weight
+From kKquantGemmRows (32; 16 on AVX-512 and AMX) rows on, each ISA's GEMM runs every weight
 super-block once against all rows; fewer rows take the row groups of <= 4. Since the row-group
 path's rows are independent, each GEMM row must equal the same rows run in groups of 4 and the
 reference, bit for bit, on every ISA this CPU runs, on awkward widths (a partial 8- or 16-column
-group, a partial 32- or 48-column tile), with 1 and 2 threads, and on the extreme weight and
-activation values where a 16-bit intermediate could saturate.
+group, a partial 32- or 48-column tile, AMX's short last tile of rows), with 1 and 2 threads,
+and on the extreme weight and activation values where a 16-bit intermediate (or an AMX piece
+of a scale times a weight) could overflow.
 """
 
 import pytest
@@ -20,7 +21,7 @@ needs_kernels = pytest.mark.skipif(
     not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"
 )
 KINDS = [kquant.Q4_K, kquant.Q6_K]
-ISAS = ["avx2", "avx512"] if cpu.available() and cpu.has_avx512() else ["avx2"]
+ISAS = cpu.isas() if cpu.available() else ["avx2"]
 ROWS = (1, 5, 8, 9, 16, 17, 33, 35, 64, 130, 300)  # 300: two passes of 256 rows over a tile
 
 

@@ -59,7 +59,9 @@ CPU_CONTROLS = {
     "available",
     "get_build_dir",
     "get_isa",
+    "has_amx",
     "has_avx512",
+    "isas",
     "use_isa",
 }
 

@@ -23,34 +23,46 @@ __all__ = [
     "fused_decoder_layer",
     "get_build_dir",
     "get_isa",
+    "has_amx",
     "has_avx512",
+    "isas",
     "paged_attention",
     "quantized_linear",
     "token_layout",
     "use_isa",
 ]
 
-_ISAS = ("avx2", "avx512")
+_ISAS = ("avx2", "avx512", "amx")
 
 
 def get_isa() -> str:
-    """The vector instructions the kernels use: "avx512" (AVX-512 VNNI) where the CPU has
-    them, else "avx2"."""
+    """The instructions the kernels use: "amx" (AVX-512 VNNI and AMX int8 tiles) or "avx512"
+    (AVX-512 VNNI) where the CPU has them, else "avx2"."""
     return _ISAS[torch.ops.agentx.kernel_isa(-1)]
 
 
-def has_avx512() -> bool:
-    """Whether this CPU runs the AVX-512 VNNI kernels."""
+def isas() -> list[str]:
+    """Every ISA level this CPU runs the kernels at, lowest first (tests compare them all)."""
     current = torch.ops.agentx.kernel_isa(-1)
-    found = torch.ops.agentx.kernel_isa(1) == 1
+    found = [isa for level, isa in enumerate(_ISAS) if torch.ops.agentx.kernel_isa(level) == level]
     torch.ops.agentx.kernel_isa(current)
     return found
 
 
+def has_avx512() -> bool:
+    """Whether this CPU runs the AVX-512 VNNI kernels."""
+    return "avx512" in isas()
+
+
+def has_amx() -> bool:
+    """Whether this CPU (and its OS) runs the AMX K-quant GEMM."""
+    return "amx" in isas()
+
+
 @contextlib.contextmanager
 def use_isa(isa: str) -> Iterator[None]:
-    """Run the kernels with ``isa`` ("avx2" or "avx512") inside the block (tests compare the
-    two; they give the same bits). Process-wide: not for use while an engine runs."""
+    """Run the kernels with ``isa`` ("avx2", "avx512" or "amx") inside the block (tests compare
+    them; they give the same bits). Process-wide: not for use while an engine runs."""
     previous = torch.ops.agentx.kernel_isa(-1)
     if torch.ops.agentx.kernel_isa(_ISAS.index(isa)) != _ISAS.index(isa):
         raise ValueError(f"this CPU cannot run the {isa} kernels")

@@ -38,6 +38,7 @@ _SOURCES = (
     "qlinear_kquant_avx512.cpp",
     "qlinear_kquant_gemm.cpp",
     "qlinear_kquant_gemm_avx512.cpp",
+    "qlinear_kquant_gemm_amx.cpp",
     "paged_attention.cpp",
     "kv_int8.cpp",
     "decoder_layer.cpp",
@@ -159,11 +160,11 @@ def _set_spin() -> bool:
 
 
 def _cap_isa() -> bool:
-    """Apply ``AGENTX_CPU_ISA`` to the kernels' run-time dispatch (0: AVX2, 1: AVX-512 VNNI);
-    a cap above what the CPU runs is a ConfigError."""
+    """Apply ``AGENTX_CPU_ISA`` to the kernels' run-time dispatch (0: AVX2, 1: AVX-512 VNNI,
+    2: AMX); a cap above what the CPU runs is a ConfigError."""
     isa = env.cpu_isa()
     if isa != "auto":
-        wanted = ("avx2", "avx512").index(isa)
+        wanted = ("avx2", "avx512", "amx").index(isa)
         if torch.ops.agentx.kernel_isa(wanted) != wanted:
             raise ConfigError(f"AGENTX_CPU_ISA={isa}: this CPU cannot run those kernels")
     return True

@@ -32,12 +32,15 @@ void write_kv_rows_int8(const float* k, const float* v, int64_t ld, int64_t rows
                         int64_t num_kv_heads, int64_t head_dim, int8_t* cache,
                         int64_t block_stride, int64_t block_size, const int64_t* slots);
 
-// Which vector instructions the kernels use: kIsaAvx2, or kIsaAvx512 (AVX-512 VNNI) when the
-// CPU has it (the default there). set >= 0 chooses (tests compare the two); -1 only reads.
+// Which instructions the kernels use: kIsaAvx2; kIsaAvx512 (AVX-512 VNNI); or kIsaAmx (those
+// and AMX int8 tiles for the K-quant GEMM), each where the CPU has it, the highest by
+// default. set >= 0 chooses (tests compare them; all give the same bits); -1 only reads.
 constexpr int64_t kIsaAvx2 = 0;
 constexpr int64_t kIsaAvx512 = 1;
+constexpr int64_t kIsaAmx = 2;
 int64_t kernel_isa(int64_t set);
 bool cpu_has_avx512_vnni();
+bool cpu_has_amx();  // AMX-TILE and AMX-INT8, and the OS lets this process use them
 
 // AVX-512 VNNI tiles [t0, t1) (an even count) of up to 4 rows (qlinear_avx512.cpp); out[r]
 // points at row r's column 8 t0. The same arithmetic as qlinear.cpp's AVX2 tiles.
@@ -71,6 +74,12 @@ void kquant_gemm_avx2(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t
 void kquant_gemm_avx512(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n,
                         const int8_t* xq, const float* dx, const int16_t* sums, int64_t k,
                         int64_t m, float* y, int64_t ldy);
+// AMX (qlinear_kquant_gemm_amx.cpp), from kKquantGemmRowsAmx rows (measured: at 16 and 32
+// rows slower than the AVX-512 GEMM, which takes them): the same bits.
+constexpr int64_t kKquantGemmRowsAmx = 64;
+void kquant_gemm_amx(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n,
+                     const int8_t* xq, const float* dx, const int16_t* sums, int64_t k, int64_t m,
+                     float* y, int64_t ldy);
 
 // AVX-512 VNNI: columns [n0, n1) of activation rows [r0, r0 + rows) (rows <= 4) into y (row
 // r at y + r * ldy); xq, dx, sums as kquant.h's Rows. The same sums and steps as AVX2's.

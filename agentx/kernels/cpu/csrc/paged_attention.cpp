@@ -554,7 +554,7 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
               int64_t block_size, int64_t window, float scale, float* out) {
   TileFn<T> fn = tile_fn<T, false>(head_dim);
   if constexpr (!kInt8<T>) {  // int8: the AVX2 loops on every CPU
-    if (kernel_isa(-1) == kIsaAvx512) fn = tile_fn<T, true>(head_dim);
+    if (kernel_isa(-1) >= kIsaAvx512) fn = tile_fn<T, true>(head_dim);
   }
   TORCH_CHECK(fn != nullptr, "paged attention: head_dim must be 64, 128 or 256");
   const int64_t group = heads / num_kv_heads;

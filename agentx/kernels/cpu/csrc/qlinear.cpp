@@ -173,8 +173,10 @@ void check_weight(const at::Tensor& qweight, const at::Tensor& scale, const at::
 }  // namespace
 
 int64_t kernel_isa(int64_t set) {
-  static std::atomic<int64_t> isa{cpu_has_avx512_vnni() ? kIsaAvx512 : kIsaAvx2};
-  if (set == kIsaAvx2 || (set == kIsaAvx512 && cpu_has_avx512_vnni())) isa = set;
+  static const int64_t best =
+      cpu_has_amx() ? kIsaAmx : (cpu_has_avx512_vnni() ? kIsaAvx512 : kIsaAvx2);
+  static std::atomic<int64_t> isa{best};
+  if (set >= kIsaAvx2 && set <= best) isa = set;
   return isa;
 }
 
@@ -202,7 +204,7 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   const float* dxp = dx;
   const float* sxp = sx;
   // AVX-512: pairs of tiles (an odd last tile below, with AVX2's tile: the same arithmetic)
-  const bool wide = kernel_isa(-1) == kIsaAvx512;
+  const bool wide = kernel_isa(-1) >= kIsaAvx512;
   int8_t* xu = nullptr;
   if (wide && !int4) {
     xu = scratch.take<int8_t>(m * k);

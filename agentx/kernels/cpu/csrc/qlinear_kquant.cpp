@@ -315,7 +315,7 @@ void columns_avx2(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n0,
 
 void columns(int64_t type, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
              const Rows& a, int64_t r0, int64_t rows, float* y, int64_t ldy) {
-  if (kernel_isa(-1) == kIsaAvx512) {
+  if (kernel_isa(-1) >= kIsaAvx512) {
     kquant_columns_avx512(type, w, row_bytes, n0, n1, a.xq, a.dx, a.sums, a.k, r0, rows, y, ldy);
     return;
   }
@@ -369,7 +369,12 @@ void kquant_linear_into(const float* x, int64_t m, int64_t k, const at::Tensor& 
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   // Many rows: each super-block unpacked once for all of them (qlinear_kquant_gemm*.cpp, the
   // same bits).
-  const bool avx512 = kernel_isa(-1) == kIsaAvx512;
+  const int64_t isa = kernel_isa(-1);
+  if (isa == kIsaAmx && m >= kKquantGemmRowsAmx) {
+    kquant_gemm_amx(type, w, row_bytes, n, a.xq, a.dx, a.sums, k, m, y, ldy);
+    return;
+  }
+  const bool avx512 = isa >= kIsaAvx512;
   if (m >= (avx512 ? kKquantGemmRowsAvx512 : kKquantGemmRows)) {
     if (avx512) {
       kquant_gemm_avx512(type, w, row_bytes, n, a.xq, a.dx, a.sums, k, m, y, ldy);

@@ -202,32 +202,6 @@ AGENTX_AVX512 inline void unpack(const uint8_t* w, int64_t row_bytes, int64_t n0
   }
 }
 
-// lane c: sum_p of column c's pair p times the row's pair p (vpdpwssd): Q4_K's min sum S2 or
-// Q6_K's sum_j sc_j sum(x_j), exact in int32.
-template <int P>
-AGENTX_AVX512 inline __m512i pair_sums(const Tile& t, int g, const int32_t* row_pairs) {
-  __m512i s = _mm512_setzero_si512();
-  for (int p = 0; p < P; ++p) {
-    s = _mm512_dpwssd_epi32(s, _mm512_load_si512(t.pairs[g][p]), _mm512_set1_epi32(row_pairs[p]));
-  }
-  return s;
-}
-
-// Row i's (the activation block at a.dx[i], a.sums[i * 16]) pairs for pair_sums: Q4_K's sums
-// of 32-weight sub-blocks 2p, 2p + 1 (|.| <= 4064), Q6_K's sums of 16 as they are.
-template <int64_t Type>
-inline void row_pairs(const Rows& a, int64_t i, int32_t* out) {
-  const int16_t* s = a.sums + i * 16;
-  if (Type == kQ4K) {
-    for (int p = 0; p < 4; ++p) {
-      out[p] = pair16(static_cast<int16_t>(s[4 * p] + s[4 * p + 1]),
-                      static_cast<int16_t>(s[4 * p + 2] + s[4 * p + 3]));
-    }
-  } else {
-    std::memcpy(out, s, 32);
-  }
-}
-
 // One row's block step on 16 columns (the valid ones in mask): y = y + dx * (d S1 - dmin S2)
 // (Q4_K) or y + dx * (d S) (Q6_K, S with its -32 offset in), the columns' d and dmin in lanes.
 // Block 0 adds to 0.f as the other paths do (-0.f + 0.f = 0.f), without reading y.
@@ -245,21 +219,6 @@ AGENTX_AVX512 inline void q6k_row(__m512 d, __m512i s, float dx, bool first, flo
   const __m512 acc_y = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, yr);
   const __m512 p = _mm512_mul_ps(_mm512_set1_ps(dx), _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
   _mm512_mask_storeu_ps(yr, mask, _mm512_add_ps(acc_y, p));
-}
-
-// The row step from the VNNI sums: s = S1 (Q4_K, S2 from the row's pairs) or Q6_K's sum
-// without its offset (taken out here with the pairs).
-template <int64_t Type>
-AGENTX_AVX512 inline void step_row(const Tile& t, int g, __m512i s, const int32_t* pairs,
-                                   float dx, bool first, float* yr, __mmask16 mask) {
-  const __m512 d = _mm512_load_ps(t.d + kLanes * g);
-  if (Type == kQ4K) {
-    const __m512 dmin = _mm512_load_ps(t.dmin + kLanes * g);
-    q4k_row(d, dmin, s, pair_sums<4>(t, g, pairs), dx, first, yr, mask);
-  } else {
-    s = _mm512_sub_epi32(s, _mm512_slli_epi32(pair_sums<8>(t, g, pairs), 5));
-    q6k_row(d, s, dx, first, yr, mask);
-  }
 }
 
 // The mask of group g's valid columns (ncols in the tile).

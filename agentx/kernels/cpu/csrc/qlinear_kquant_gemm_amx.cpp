@@ -64,8 +64,6 @@ using tile512::Tile;
 
 constexpr int kTileRows = 16;  // activation rows a tile product
 constexpr int kChunks = 4;     // 64-feature chunks a super-block
-template <int64_t Type>
-constexpr int kPieces = Type == kQ4K ? 3 : 4;
 
 struct alignas(64) TileConfig {
   uint8_t palette;

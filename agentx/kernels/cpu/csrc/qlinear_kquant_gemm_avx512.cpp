@@ -45,6 +45,7 @@ using tile512::kLanes;
 using tile512::kRowChunk;
 using tile512::kSteps;
 using tile512::kTileCols;
+using tile512::pair16;
 using tile512::Tile;
 
 // S1 (Q4_K) or sum_j sc_j (q_j . x_j) (Q6_K) of R rows x the tile's groups, a column a lane.
@@ -88,6 +89,48 @@ AGENTX_AVX512 __attribute__((noinline)) void dots(const Tile& t, const int8_t* c
   }
 }
 
+// lane c: sum_p of column c's pair p times the row's pair p (vpdpwssd): Q4_K's min sum S2 or
+// Q6_K's sum_j sc_j sum(x_j), exact in int32.
+template <int P>
+AGENTX_AVX512 inline __m512i pair_sums(const Tile& t, int g, const int32_t* row_pairs) {
+  __m512i s = _mm512_setzero_si512();
+  for (int p = 0; p < P; ++p) {
+    const __m512i column = _mm512_load_si512(t.pairs[g][p]);
+    s = _mm512_dpwssd_epi32(s, column, _mm512_set1_epi32(row_pairs[p]));
+  }
+  return s;
+}
+
+// Row i's (the activation block at a.dx[i], a.sums[i * 16]) pairs for pair_sums: Q4_K's sums
+// of 32-weight sub-blocks 2p, 2p + 1 (|.| <= 4064), Q6_K's sums of 16 as they are.
+template <int64_t Type>
+inline void row_pairs(const Rows& a, int64_t i, int32_t* out) {
+  const int16_t* s = a.sums + i * 16;
+  if (Type == kQ4K) {
+    for (int p = 0; p < 4; ++p) {
+      out[p] = pair16(static_cast<int16_t>(s[4 * p] + s[4 * p + 1]),
+                      static_cast<int16_t>(s[4 * p + 2] + s[4 * p + 3]));
+    }
+  } else {
+    std::memcpy(out, s, 32);
+  }
+}
+
+// The row step from the VNNI sums: s = S1 (Q4_K, S2 from the row's pairs) or Q6_K's sum
+// without its offset (taken out here with the pairs).
+template <int64_t Type>
+AGENTX_AVX512 inline void step_row(const Tile& t, int g, __m512i s, const int32_t* pairs,
+                                   float dx, bool first, float* yr, __mmask16 mask) {
+  const __m512 d = _mm512_load_ps(t.d + kLanes * g);
+  if (Type == kQ4K) {
+    const __m512 dmin = _mm512_load_ps(t.dmin + kLanes * g);
+    tile512::q4k_row(d, dmin, s, pair_sums<4>(t, g, pairs), dx, first, yr, mask);
+  } else {
+    s = _mm512_sub_epi32(s, _mm512_slli_epi32(pair_sums<8>(t, g, pairs), 5));
+    tile512::q6k_row(d, s, dx, first, yr, mask);
+  }
+}
+
 // Rows [r0, r0 + R) against the unpacked block b of the tile whose first column is y's.
 template <int R, int64_t Type>
 AGENTX_AVX512 void rows_block(const Tile& t, int ncols, const Rows& a, int64_t r0, int64_t b,
@@ -99,7 +142,7 @@ AGENTX_AVX512 void rows_block(const Tile& t, int ncols, const Rows& a, int64_t r
     const int64_t i = (r0 + r) * a.blocks + b;
     x[r] = a.xq + (r0 + r) * a.k + b * kBlock;
     dx[r] = a.dx[i];
-    tile512::row_pairs<Type>(a, i, pairs[r]);
+    row_pairs<Type>(a, i, pairs[r]);
   }
   __m512i acc[R][kGroups];
   dots<R, Type>(t, x, acc);
@@ -107,7 +150,7 @@ AGENTX_AVX512 void rows_block(const Tile& t, int ncols, const Rows& a, int64_t r
     const __mmask16 mask = tile512::group_mask(ncols, g);
     for (int r = 0; r < R; ++r) {
       float* yr = y + (r0 + r) * ldy + kLanes * g;
-      tile512::step_row<Type>(t, g, acc[r][g], pairs[r], dx[r], b == 0, yr, mask);
+      step_row<Type>(t, g, acc[r][g], pairs[r], dx[r], b == 0, yr, mask);
     }
   }
 }

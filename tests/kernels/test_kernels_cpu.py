@@ -187,7 +187,7 @@ def test_paged_attention_avx512_equals_avx2(dtype, case):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_rows_equal_the_same_rows_alone(dtype):
-    # a 20-row chunk (tiles of rows share each K/V chunk, bf16 widened once for the tile)
+    # a 20-row chunk (tiles of rows share each K/V chunk, bf16 read in paired order)
     gen = torch.Generator().manual_seed(5)
     cache = _random_cache(40, 16, 3, 64, dtype, 0, gen)
     tables = torch.arange(1, 37).reshape(3, 12)

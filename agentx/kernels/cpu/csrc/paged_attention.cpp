@@ -321,6 +321,212 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
   }
 }
 
+// bf16 caches. A 64-byte line of a K or V row holds 32 bf16 values as 16 dwords, each two
+// neighbouring dims: shifting a dword left by 16 gives the even dim as a float, masking off its
+// low half the odd one (exact, two plain ALU ops per 16 values, no widening shuffles). The bf16
+// kernels keep dims in that "paired order" (in each group of 32: the 16 even dims, then the 16
+// odd ones): the query is copied into it, value sums are kept in it and put back in dim order
+// after the tile. A key's score is
+//   16 lanes j, each one FMA chain over the groups c: dim 32c + 2j, then dim 32c + 2j + 1;
+//   the lanes then fold in halves: j + (j + 8), then j + (j + 4), j + (j + 2), 0 + 1;
+//   times the scale.
+// Each dim of a value sum is the same FMA chain over the keys as in the other caches. AVX-512
+// runs the 16 lanes in one register, AVX2 in two of 8: the same operations, lane by lane.
+constexpr int kPairGroup = 32;
+
+// dims in paired order (d a multiple of 32)
+inline void to_paired(const float* src, int64_t d, float* dst) {
+  for (int64_t c = 0; c < d; c += kPairGroup) {
+    for (int64_t j = 0; j < kPairGroup / 2; ++j) {
+      dst[c + j] = src[c + 2 * j];
+      dst[c + kPairGroup / 2 + j] = src[c + 2 * j + 1];
+    }
+  }
+}
+
+// paired order back to dim order, in place
+inline void from_paired(float* x, int64_t d) {
+  float group[kPairGroup];
+  for (int64_t c = 0; c < d; c += kPairGroup) {
+    std::memcpy(group, x + c, sizeof(group));
+    for (int64_t j = 0; j < kPairGroup / 2; ++j) {
+      x[c + 2 * j] = group[j];
+      x[c + 2 * j + 1] = group[kPairGroup / 2 + j];
+    }
+  }
+}
+
+inline __m256i load_pairs8(const at::BFloat16* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m256 even8(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+inline __m256 odd8(__m256i x) {
+  return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536)));
+}
+
+// one key's 16 lanes (lo: 0-7, hi: 8-15) folded to its sum
+inline float fold16(__m256 lo, __m256 hi) {
+  const __m256 b = _mm256_add_ps(lo, hi);
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
+// Scores of keys [0, count) for NH query heads (qp: each head's D dims in paired order), one
+// key at a time: 2 NH accumulators and the key's four registers fit AVX2's 16.
+template <int D, int NH>
+inline void bf16_scores(const float* qp, const at::BFloat16* kb, int64_t count, int64_t ts,
+                        float scale, float* score) {
+  for (int64_t t = 0; t < count; ++t) {
+    const at::BFloat16* k = kb + t * ts;
+    __m256 lo[NH], hi[NH];
+    for (int h = 0; h < NH; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+    for (int c = 0; c < D; c += kPairGroup) {
+      const __m256i x0 = load_pairs8(k + c), x1 = load_pairs8(k + c + 16);
+      const __m256 e0 = even8(x0), o0 = odd8(x0), e1 = even8(x1), o1 = odd8(x1);
+      for (int h = 0; h < NH; ++h) {
+        const float* qh = qp + h * D + c;
+        lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), e0, lo[h]);
+        lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16), o0, lo[h]);
+        hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), e1, hi[h]);
+        hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 24), o1, hi[h]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = fold16(lo[h], hi[h]) * scale;
+  }
+}
+
+// acc[h] = acc[h] * correction[h] + sum_t p[h][t] v[t], the sums in paired order, 32 dims a
+// pass; per dim the FMA chain runs t = 0, 1, ... as in row_values
+template <int D, int NH>
+inline void bf16_values(const float* prob, const at::BFloat16* vb, int64_t count, int64_t ts,
+                        const float* correction, State* const* st, Prefetcher* pf) {
+  for (int s = 0; s < D; s += kPairGroup) {
+    __m256 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      const __m256 c = _mm256_set1_ps(correction[h]);
+      for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(st[h]->acc + s + 8 * j), c);
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      pf->step();
+      const at::BFloat16* v = vb + t * ts + s;
+      const __m256i x0 = load_pairs8(v), x1 = load_pairs8(v + 16);
+      const __m256 v0 = even8(x0), v1 = even8(x1), v2 = odd8(x0), v3 = odd8(x1);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 p = _mm256_set1_ps(prob[h * kScoreStride + t]);
+        acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
+        acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
+        acc[h][2] = _mm256_fmadd_ps(p, v2, acc[h][2]);
+        acc[h][3] = _mm256_fmadd_ps(p, v3, acc[h][3]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(st[h]->acc + s + 8 * j, acc[h][j]);
+    }
+  }
+}
+
+AGENTX_AVX512 inline __m512 even16(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+AGENTX_AVX512 inline __m512 odd16(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(-65536)));
+}
+
+// four keys' 16 lanes folded as fold16 folds them: [s0, s1, s2, s3]
+AGENTX_AVX512 inline __m128 fold16x4(const __m512* a) {
+  const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44),
+                                   _mm512_shuffle_f32x4(a[0], a[1], 0xEE));  // j + (j + 8)
+  const __m512 b23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44),
+                                   _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+  const __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b01, b23, 0x88),
+                                 _mm512_shuffle_f32x4(b01, b23, 0xDD));  // j + (j + 4)
+  const __m512 d = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4E));  // j + (j + 2)
+  const __m512 e = _mm512_add_ps(d, _mm512_permute_ps(d, 0xB1));  // 0 + 1
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, e));
+}
+
+// n <= KB keys from k (ts apart) for NH heads: their scores at score[h * kScoreStride + j]
+template <int D, int NH, int KB>
+AGENTX_AVX512 __attribute__((always_inline)) inline void bf16_key_block(
+    const float* qp, const at::BFloat16* k, int n, int64_t ts, __m128 scale4, float* score) {
+  __m512 acc[NH][KB];
+  for (int h = 0; h < NH; ++h) {
+    for (int j = 0; j < KB; ++j) acc[h][j] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < KB && j < n; ++j) {
+    for (int c = 0; c < D; c += kPairGroup) {
+      const __m512i x = _mm512_loadu_si512(k + j * ts + c);
+      const __m512 e = even16(x), o = odd16(x);
+      for (int h = 0; h < NH; ++h) {
+        const float* qh = qp + h * D + c;
+        acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh), e, acc[h][j]);
+        acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16), o, acc[h][j]);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    for (int j = 0; j < KB && j < n; j += 4) {
+      const __m128 s = _mm_mul_ps(fold16x4(acc[h] + j), scale4);
+      float* dst = score + h * kScoreStride + j;
+      if (n - j >= 4) {
+        _mm_storeu_ps(dst, s);
+      } else {
+        _mm_mask_storeu_ps(dst, static_cast<__mmask8>((1 << (n - j)) - 1), s);
+      }
+    }
+  }
+}
+
+// bf16_scores, a block of keys at a time (8, or 4 for more than 3 heads: NH x KB accumulators)
+// so that four keys' lanes fold together
+template <int D, int NH>
+AGENTX_AVX512 void bf16_scores_avx512(const float* qp, const at::BFloat16* kb, int64_t count,
+                                      int64_t ts, float scale, float* score) {
+  constexpr int KB = NH > 3 ? 4 : 8;
+  const __m128 scale4 = _mm_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + KB <= count; t += KB) bf16_key_block<D, NH, KB>(qp, kb + t * ts, KB, ts, scale4, score + t);
+  if (t < count) {
+    bf16_key_block<D, NH, KB>(qp, kb + t * ts, static_cast<int>(count - t), ts, scale4,
+                              score + t);
+  }
+}
+
+// bf16_values, 64 dims (two groups) a pass
+template <int D, int NH>
+AGENTX_AVX512 void bf16_values_avx512(const float* prob, const at::BFloat16* vb, int64_t count,
+                                      int64_t ts, const float* correction, State* const* st,
+                                      Prefetcher* pf) {
+  static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
+  for (int s = 0; s < D; s += 64) {
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      const __m512 c = _mm512_set1_ps(correction[h]);
+      for (int j = 0; j < 4; ++j) {
+        acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(st[h]->acc + s + 16 * j), c);
+      }
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      pf->step();
+      const at::BFloat16* v = vb + t * ts + s;
+      const __m512i x0 = _mm512_loadu_si512(v), x1 = _mm512_loadu_si512(v + kPairGroup);
+      const __m512 v0 = even16(x0), v1 = odd16(x0), v2 = even16(x1), v3 = odd16(x1);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 p = _mm512_set1_ps(prob[h * kScoreStride + t]);
+        acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
+        acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
+        acc[h][2] = _mm512_fmadd_ps(p, v2, acc[h][2]);
+        acc[h][3] = _mm512_fmadd_ps(p, v3, acc[h][3]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(st[h]->acc + s + 16 * j, acc[h][j]);
+    }
+  }
+}
+
 // Consecutive keys of one chunk that sit in one block: K rows at k, V rows at v.
 template <typename T>
 struct Segment {
@@ -338,7 +544,13 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
                        float scale, float* score, State* const* st, Prefetcher* pf) {
   for (int64_t off = 0, s = 0; off < count; ++s) {
     const int64_t n = std::min(segs[s].count, count - off);
-    if constexpr (Wide) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if constexpr (Wide) {
+        bf16_scores_avx512<D, NH>(q, segs[s].k, n, ts, scale, score + off);
+      } else {
+        bf16_scores<D, NH>(q, segs[s].k, n, ts, scale, score + off);
+      }
+    } else if constexpr (Wide) {
       row_scores_avx512<T, D, NH>(q, segs[s].k, n, ts, scale, score + off);
     } else {
       row_scores<T, D, NH>(q, segs[s].k, n, ts, scale, score + off);
@@ -371,7 +583,13 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
   for (int64_t off = 0, s = 0; off < count; ++s) {
     const int64_t n = std::min(segs[s].count, count - off);
     const float* c = off == 0 ? correction : ones;
-    if constexpr (Wide) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if constexpr (Wide) {
+        bf16_values_avx512<D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
+      } else {
+        bf16_values<D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
+      }
+    } else if constexpr (Wide) {
       row_values_avx512<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
     } else {
       row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
@@ -386,9 +604,9 @@ inline void head_segments(const Segment<T>* segs, int64_t nsegs, int64_t head, S
   for (int64_t s = 0; s < nsegs; ++s) out[s] = {segs[s].k + head, segs[s].v + head, segs[s].count};
 }
 
-// Query heads a pass over one KV head's keys: each K/V load (and bf16 widening) serves all of
-// them. AVX-512 has the registers for 6 (row_values: 24 accumulators; Qwen2.5's group of 6 in
-// one pass, not two), AVX2 for 3. Every head's arithmetic is the same either way.
+// Query heads a pass over one KV head's keys: each K/V load serves all of them. AVX-512 has
+// the registers for 6 (row_values: 24 accumulators; Qwen2.5's group of 6 in one pass, not
+// two), AVX2 for 3. Every head's arithmetic is the same either way.
 template <bool Wide>
 constexpr int64_t kHeadsAPass = Wide ? 6 : 3;
 
@@ -417,14 +635,6 @@ inline void fold_heads(const float* q, const Segment<T>* segs, int64_t count, in
   }
 }
 
-// bf16 -> fp32 (exact: the bf16 bits are the top half of the float)
-inline void widen(const float*, int64_t, float*) {}
-inline void widen(const at::BFloat16* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
 // Keys a chunk: the online softmax folds this many keys at a time (chunks are aligned to
 // multiples of it from key 0 and span several blocks when blocks are smaller), so its
 // per-chunk work (max, exps, rescaling) is paid once per 64 keys, not once per block.
@@ -451,15 +661,22 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   const int64_t chunk = std::max(kChunkTokens, block_size);
   const int64_t row = D + kRowExtra<T>;  // one (token, KV head) row
   const int64_t token_stride = num_kv_heads * row, heads = num_kv_heads * group;
-  // one chunk's K (first half) and V (second half) as fp32, for bf16 caches and tiles of rows
-  // (an int8 row is read as codes by every row of the tile: its scales are applied per key)
-  const bool widened = std::is_same_v<T, at::BFloat16> && tile_rows > 1;
-  thread_local std::vector<float> wide;
-  const int64_t wide_v = chunk * token_stride;
-  if (widened && static_cast<int64_t>(wide.size()) < 2 * wide_v) wide.resize(2 * wide_v);
+  constexpr bool kPaired = std::is_same_v<T, at::BFloat16>;
+  if constexpr (kPaired) {  // the tile's queries in paired order
+    thread_local std::vector<float> paired;
+    if (static_cast<int64_t>(paired.size()) < tile_rows * heads * D) {
+      paired.resize(tile_rows * heads * D);
+    }
+    for (int64_t r = 0; r < tile_rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        to_paired(q + r * q_row_stride + h * D, D, paired.data() + (r * heads + h) * D);
+      }
+    }
+    q = paired.data();
+    q_row_stride = heads * D;
+  }
   const int64_t hi = ends[tile_rows - 1];
   Segment<T> segs[kMaxSegments], head_segs[kMaxSegments];
-  Segment<float> wsegs[1], whead[1];
   // blocks are fetched into L2 kAheadChunks ahead of the chunk being read (the hardware
   // prefetcher does not follow the block table), a few lines per key of the value loops
   const int64_t num_blocks = (hi - 1) / block_size + 1;
@@ -493,38 +710,22 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
       segs[nsegs++] = {k, k + block_size * token_stride, seg_end - t};
       t = seg_end;
     }
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (widened) {
-        // bf16: widen the chunk's K and V to fp32 once for the whole tile (exact), so the rows'
-        // inner loops load floats instead of converting every element again
-        for (int64_t s = 0, off = 0; s < nsegs; off += segs[s].count, ++s) {
-          const int64_t n = segs[s].count * token_stride;
-          widen(segs[s].k, n, wide.data() + off * token_stride);
-          widen(segs[s].v, n, wide.data() + wide_v + off * token_stride);
-        }
-        wsegs[0] = {wide.data(), wide.data() + wide_v, end - start};
-      }
-    }
-    // KV head outer, rows inner: one head's K and V of the chunk (2 x 16 KB widened at head
-    // dim 64) stay in L1 for the tile's rows; all heads' (48 KB and more) would not
+    // KV head outer, rows inner: one head's K and V of the chunk (2 x 8 KB of bf16 at head
+    // dim 64) stay in L1 for the tile's rows; all heads' would not
     for (int64_t h = 0; h < num_kv_heads; ++h) {
+      head_segments<T>(segs, nsegs, h * row, head_segs);
       for (int64_t r = 0; r < tile_rows; ++r) {
         const int64_t count = std::min(end, ends[r]) - start;
         if (count <= 0) continue;
         const float* qh = q + r * q_row_stride + h * group * D;
         State* st = states + r * heads + h * group;
-        if (widened) {
-          head_segments<float>(wsegs, 1, h * D, whead);
-          fold_heads<float, D, Wide>(qh, whead, count, token_stride, scale, score, st, group,
-                                     &pf);
-        } else {
-          head_segments<T>(segs, nsegs, h * row, head_segs);
-          fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group,
-                                 &pf);
-        }
+        fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group, &pf);
       }
     }
     start = end;
+  }
+  if constexpr (kPaired) {
+    for (int64_t i = 0; i < tile_rows * heads; ++i) from_paired(states[i].acc, D);
   }
 }
 

@@ -527,6 +527,43 @@ AGENTX_AVX512 void bf16_values_avx512(const float* prob, const at::BFloat16* vb,
   }
 }
 
+// exp_nonpositive on 16 lanes: lane for lane the same operations
+AGENTX_AVX512 inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// The softmax's exps of sc[0, t) for the whole 16s of count, in place, added into the eight
+// lanes of *sum in key order (keys t .. t + 7, then t + 8 .. t + 15): what the eight-lane loop
+// does for them. Returns t.
+AGENTX_AVX512 inline int64_t exp_sum16(float* sc, int64_t count, float max, __m256* sum) {
+  const __m512 max_v = _mm512_set1_ps(max);
+  __m256 s = *sum;
+  int64_t t = 0;
+  for (; t + 16 <= count; t += 16) {
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), max_v));
+    _mm512_storeu_ps(sc + t, e);
+    s = _mm256_add_ps(s, _mm512_castps512_ps256(e));
+    s = _mm256_add_ps(s, _mm512_extractf32x8_ps(e, 1));
+  }
+  *sum = s;
+  return t;
+}
+
 // Consecutive keys of one chunk that sit in one block: K rows at k, V rows at v.
 template <typename T>
 struct Segment {
@@ -570,7 +607,9 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
     correction[h] = std::exp(st[h]->max - new_max);
     const __m256 max_v = _mm256_set1_ps(new_max);
     __m256 sum = _mm256_setzero_ps();
-    for (t = 0; t < count; t += 8) {
+    t = 0;
+    if constexpr (Wide) t = exp_sum16(sc, count, new_max, &sum);
+    for (; t < count; t += 8) {
       const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(sc + t), max_v));
       _mm256_store_ps(sc + t, e);
       sum = _mm256_add_ps(sum, count - t >= 8 ? e : _mm256_and_ps(e, tail_mask(count - t)));

@@ -15,6 +15,7 @@ the fused layer's stages by its opt-in C++ clock), averaged over the steps of ea
     python benchmarks/step_profile.py --quantization none   # fp32, unfused (the old path)
     python benchmarks/step_profile.py --decoders 1          # one stream after a 2K prompt
     python benchmarks/step_profile.py --kv-cache-dtype int8 # int8 KV (bf16 by default)
+    python benchmarks/step_profile.py --block-size 64       # 64-token KV blocks (16 by default)
     python benchmarks/step_profile.py --model qwen2.5-coder-1.5b --decoders 1 --context 128 \
         --threads 2                                       # single-stream decode, the coding model
 
@@ -185,6 +186,7 @@ def main() -> None:
         help="drafting (off by default: a step of drafts is neither kind below)",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="CacheConfig.kv_cache_dtype")
+    parser.add_argument("--block-size", type=int, default=16, help="CacheConfig.block_size")
     parser.add_argument("--model", default=None, help="EngineConfig.model (default: embedded)")
     parser.add_argument("--context", type=int, default=CONTEXT, help="each prompt's tokens")
     parser.add_argument("--threads", type=int, default=None, help="EngineConfig.num_threads")
@@ -199,7 +201,9 @@ def main() -> None:
         num_threads=args.threads,
         **({} if args.small_step_tokens is None else {"small_step_tokens": args.small_step_tokens}),
         quantization=args.quantization,
-        cache=CacheConfig(kv_cache_bytes=1 << 30, kv_cache_dtype=args.kv_cache_dtype),
+        cache=CacheConfig(
+            kv_cache_bytes=1 << 30, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size
+        ),
         scheduler=SchedulerConfig(max_num_batched_tokens=512),
         speculative=SpeculativeConfig(enabled=args.speculative == "on"),
     )

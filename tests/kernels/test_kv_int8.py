@@ -139,13 +139,24 @@ def test_int8_chunk_rows_equal_rows_alone(block_size, window):
 
 @needs_kernels
 @pytest.mark.skipif(not cpu.available() or not cpu.has_avx512(), reason="needs AVX-512 VNNI")
-def test_int8_runs_the_avx2_loops_on_avx512():
-    q, cache, args = _decode_case(*DECODE_CASES[0])
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_int8_avx512_equals_avx2(case):
+    # decode rows, then a prefill chunk (rows 1..4 of one request: a tile of rows), then a
+    # decode row: the AVX-512 loops run every lane as the AVX2 code does, bit for bit
+    q, cache, args = _decode_case(*case)
+    qs = torch.cat([q, q[:3] * 0.5])
+    loc = list(range(len(args[1]) + 1)) + [len(args[1]) + 3]
+    seq_lens = [*args[1], 40]
+    tables = torch.cat([args[2], args[2][2:3]])
+    rest = (loc, seq_lens, tables, torch.arange(len(args[1])), [len(args[1])], *args[5:])
     outs = []
     for isa in ("avx2", "avx512"):
         with cpu.use_isa(isa):
-            outs.append(cpu.paged_attention(q, cache, *args))
+            outs.append(cpu.paged_attention(qs, cache, *rest))
     assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(
+        outs[1], ref_attention.paged_attention(qs, cache, *rest), rtol=1e-5, atol=3e-5
+    )
 
 
 @needs_kernels

@@ -5,9 +5,9 @@
 // bfloat16; or int8 with each (token, KV head) row 4 bytes longer, its float32 scale after its
 // head_dim codes (kernels/ref/kv_int8.py). An int8 row is read as codes (exact floats): a score
 // is dot(q, codes) * (row scale * scale) and a value row enters as (prob * row scale) * codes,
-// so dequantizing costs one multiply per key, not per element. int8 runs the AVX2 loops on
-// AVX-512 CPUs too. Each query row is one token of one request and sees that request's first `len`
-// keys (itself included: a decode row is the last, a prefill chunk's rows see one more key
+// so dequantizing costs one multiply per key, not per element (fp32 and int8 caches share the
+// score and value loops; bf16 has its own, below). Each query row is one token of one request
+// and sees that request's first `len` keys (itself included: a decode row is the last, a prefill chunk's rows see one more key
 // each); with a sliding window W only keys len - W .. len - 1 (blocks before that may already
 // be freed and are never read). Query head h reads KV head h / (num_heads / num_kv_heads).
 //
@@ -249,7 +249,16 @@ AGENTX_AVX512 inline __m512 load2x8(const at::BFloat16* a, const at::BFloat16* b
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+AGENTX_AVX512 inline __m512 load2x8(const int8_t* a, const int8_t* b) {
+  const __m128i raw = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+}
 AGENTX_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AGENTX_AVX512 inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 AGENTX_AVX512 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -275,6 +284,16 @@ AGENTX_AVX512 void row_scores_avx512(const float* q, const T* kb, int64_t count,
         for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(qv, kv[j], acc[h][j]);
       }
     }
+    // int8: each key's row scale times the scale, as row_scores takes them
+    __m128 key_lo = scale4, key_hi = scale4;
+    if constexpr (kInt8<T>) {
+      key_lo = _mm_mul_ps(_mm_setr_ps(row_scale<D>(k), row_scale<D>(k + ts),
+                                      row_scale<D>(k + 2 * ts), row_scale<D>(k + 3 * ts)),
+                          scale4);
+      key_hi = _mm_mul_ps(_mm_setr_ps(row_scale<D>(k + 4 * ts), row_scale<D>(k + 5 * ts),
+                                      row_scale<D>(k + 6 * ts), row_scale<D>(k + 7 * ts)),
+                          scale4);
+    }
     for (int h = 0; h < NH; ++h) {
       __m256 lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
@@ -282,8 +301,8 @@ AGENTX_AVX512 void row_scores_avx512(const float* q, const T* kb, int64_t count,
         hi[j] = _mm512_extractf32x8_ps(acc[h][j], 1);
       }
       float* sc = score + h * kScoreStride + t;
-      _mm_storeu_ps(sc, _mm_mul_ps(hsum4(lo), scale4));
-      _mm_storeu_ps(sc + 4, _mm_mul_ps(hsum4(hi), scale4));
+      _mm_storeu_ps(sc, _mm_mul_ps(hsum4(lo), key_lo));
+      _mm_storeu_ps(sc + 4, _mm_mul_ps(hsum4(hi), key_hi));
     }
   }
   // the last < 8 keys: the AVX2 code, whose arithmetic per key is the same
@@ -307,8 +326,12 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
       pf->step();
       const T* v = vb + t * ts + s;
       const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+      float value_scale = 1.f;
+      if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
       for (int h = 0; h < NH; ++h) {
-        const __m512 p = _mm512_set1_ps(prob[h * kScoreStride + t]);
+        float pt = prob[h * kScoreStride + t];
+        if constexpr (kInt8<T>) pt *= value_scale;
+        const __m512 p = _mm512_set1_ps(pt);
         acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
         acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
         acc[h][2] = _mm512_fmadd_ps(p, v2, acc[h][2]);
@@ -793,9 +816,7 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
               int64_t rows, int64_t heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t block_size, int64_t window, float scale, float* out) {
   TileFn<T> fn = tile_fn<T, false>(head_dim);
-  if constexpr (!kInt8<T>) {  // int8: the AVX2 loops on every CPU
-    if (kernel_isa(-1) >= kIsaAvx512) fn = tile_fn<T, true>(head_dim);
-  }
+  if (kernel_isa(-1) >= kIsaAvx512) fn = tile_fn<T, true>(head_dim);
   TORCH_CHECK(fn != nullptr, "paged attention: head_dim must be 64, 128 or 256");
   const int64_t group = heads / num_kv_heads;
   // Tiles of rows, then (tile, split) items. Rows of a tile share their splits' bounds:

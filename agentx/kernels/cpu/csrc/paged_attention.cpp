@@ -748,18 +748,17 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   pf.stride_bytes = block_stride * static_cast<int64_t>(sizeof(T));
   pf.table = table;
   pf.next = lo / block_size;
+  Prefetcher idle;  // fetches nothing (want 0)
   for (int64_t start = lo; start < hi;) {
     const int64_t end = std::min(hi, (start / chunk + 1) * chunk);
     const int64_t ahead = std::min(num_blocks, ((end + kAheadChunks * chunk - 1) / block_size) + 1);
     pf.finish();  // the previous chunk's share, if its loops ran short
     pf.limit = ahead;
     {
-      // spread this chunk's share over its value loops: keys x heads x rows calls
+      // spread this chunk's share over the last row's value loops (keys x heads calls; the
+      // other rows of a tile read the same chunk, already on its way, and fetch nothing)
       const int64_t lines = ((ahead - pf.next) * pf.block_bytes - pf.offset + 63) / 64;
-      int64_t calls = 0;
-      for (int64_t r = 0; r < tile_rows; ++r) {
-        calls += std::max<int64_t>(0, std::min(end, ends[r]) - start);
-      }
+      int64_t calls = std::min(end, ends[tile_rows - 1]) - start;
       const int64_t passes =
           Wide && group >= 6 ? group / 6 + (group % 6 + 2) / 3 : (group + 2) / 3;
       calls *= num_kv_heads * passes * (Wide ? D / 64 : D / 32);
@@ -781,7 +780,9 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
         if (count <= 0) continue;
         const float* qh = q + r * q_row_stride + h * group * D;
         State* st = states + r * heads + h * group;
-        fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group, &pf);
+        Prefetcher* fetch = r == tile_rows - 1 ? &pf : &idle;
+        fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group,
+                               fetch);
       }
     }
     start = end;

@@ -595,6 +595,32 @@ struct Segment {
   int64_t count;
 };
 
+// The online softmax step of one head over a chunk's `count` scores (replaced by their exps):
+// its max and denominator move on; returns the factor its earlier value sums take.
+template <bool Wide>
+inline float softmax_chunk(float* sc, int64_t count, State* st) {
+  // the max is exact in any order; the sum of exps runs in eight lanes, then hsum's tree
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= count; t += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(sc + t));
+  float block_max = hmax(vmax);
+  for (; t < count; ++t) block_max = sc[t] > block_max ? sc[t] : block_max;
+  const float new_max = block_max > st->max ? block_max : st->max;
+  const float correction = std::exp(st->max - new_max);
+  const __m256 max_v = _mm256_set1_ps(new_max);
+  __m256 sum = _mm256_setzero_ps();
+  t = 0;
+  if constexpr (Wide) t = exp_sum16(sc, count, new_max, &sum);
+  for (; t < count; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(sc + t), max_v));
+    _mm256_store_ps(sc + t, e);
+    sum = _mm256_add_ps(sum, count - t >= 8 ? e : _mm256_and_ps(e, tail_mask(count - t)));
+  }
+  st->denom = st->denom * correction + hsum(sum);
+  st->max = new_max;
+  return correction;
+}
+
 // The first `count` keys of one chunk (its segments in order) for NH heads of one row: the
 // online softmax update. Scores are per key, so they are computed segment by segment; the
 // value sums run one FMA chain over the chunk's keys in order, later segments continuing it
@@ -619,26 +645,7 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
   }
   float correction[NH];
   for (int h = 0; h < NH; ++h) {
-    float* sc = score + h * kScoreStride;
-    // the max is exact in any order; the sum of exps runs in eight lanes, then hsum's tree
-    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t t = 0;
-    for (; t + 8 <= count; t += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(sc + t));
-    float block_max = hmax(vmax);
-    for (; t < count; ++t) block_max = sc[t] > block_max ? sc[t] : block_max;
-    const float new_max = block_max > st[h]->max ? block_max : st[h]->max;
-    correction[h] = std::exp(st[h]->max - new_max);
-    const __m256 max_v = _mm256_set1_ps(new_max);
-    __m256 sum = _mm256_setzero_ps();
-    t = 0;
-    if constexpr (Wide) t = exp_sum16(sc, count, new_max, &sum);
-    for (; t < count; t += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_load_ps(sc + t), max_v));
-      _mm256_store_ps(sc + t, e);
-      sum = _mm256_add_ps(sum, count - t >= 8 ? e : _mm256_and_ps(e, tail_mask(count - t)));
-    }
-    st[h]->denom = st[h]->denom * correction[h] + hsum(sum);
-    st[h]->max = new_max;
+    correction[h] = softmax_chunk<Wide>(score + h * kScoreStride, count, st[h]);
   }
   float ones[NH];
   for (int h = 0; h < NH; ++h) ones[h] = 1.f;

@@ -6,10 +6,11 @@
 // head_dim codes (kernels/ref/kv_int8.py). An int8 row is read as codes (exact floats): a score
 // is dot(q, codes) * (row scale * scale) and a value row enters as (prob * row scale) * codes,
 // so dequantizing costs one multiply per key, not per element (fp32 and int8 caches share the
-// score and value loops; bf16 has its own, below). Each query row is one token of one request
-// and sees that request's first `len` keys (itself included: a decode row is the last, a prefill chunk's rows see one more key
-// each); with a sliding window W only keys len - W .. len - 1 (blocks before that may already
-// be freed and are never read). Query head h reads KV head h / (num_heads / num_kv_heads).
+// score loops; bf16 reads its rows in paired order, below). Each query row is one token of one
+// request and sees that request's first `len` keys (itself included: a decode row is the last,
+// a prefill chunk's rows see one more key each); with a sliding window W only keys
+// len - W .. len - 1 (blocks before that may already be freed and are never read). Query head
+// h reads KV head h / (num_heads / num_kv_heads).
 //
 // Every row is computed by the same sequence of float operations whatever the other rows of
 // the call: its keys are cut into splits of kSplitTokens from its first key, each split runs
@@ -43,9 +44,27 @@ inline __m256 load8(const int8_t* p) {
   const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
 }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+
+inline __m256i load_pairs8(const at::BFloat16* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m256 even8(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+inline __m256 odd8(__m256i x) {
+  return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536)));
+}
+
+// A value slice's 32 dims of key row v as 4 registers: in dim order, or for bf16 in paired order
+// (the even dims of v[0..31], then the odd ones; kernels below)
+template <typename T>
+inline void load_values8(const T* v, __m256* out) {
+  for (int j = 0; j < 4; ++j) out[j] = load8(v + 8 * j);
+}
+inline void load_values8(const at::BFloat16* v, __m256* out) {
+  const __m256i x0 = load_pairs8(v), x1 = load_pairs8(v + 16);
+  out[0] = even8(x0);
+  out[1] = even8(x1);
+  out[2] = odd8(x0);
+  out[3] = odd8(x1);
 }
 
 // int8 caches: each (token, KV head) row ends in its float32 scale.
@@ -81,7 +100,6 @@ inline __m256 exp_nonpositive(__m256 x) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
-
 
 // Softmax state of one (row, query head) inside a split; acc holds its D unnormalized sums.
 struct State {
@@ -202,8 +220,9 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
   }
 }
 
-// acc[h] = acc[h] * correction[h] + sum_t p[h][t] v[t] for NH heads of one row, a slice of 32
-// dims at a time so each V load serves every head; per element the FMA chain runs t = 0, 1, ...
+// acc[h] = acc[h] * correction[h] + sum_t p[h][t] v[t] for NH heads of one row (bf16: the sums
+// in paired order), a slice of 32 dims at a time so each V load serves every head; per element
+// the FMA chain runs t = 0, 1, ...
 template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
                        const float* correction, State* const* st, Prefetcher* pf) {
@@ -215,18 +234,15 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
     }
     for (int64_t t = 0; t < count; ++t) {
       pf->step();
-      const T* v = vb + t * ts + s;
-      const __m256 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
+      __m256 vv[4];
+      load_values8(vb + t * ts + s, vv);
       float value_scale = 1.f;
       if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
       for (int h = 0; h < NH; ++h) {
         float pt = prob[h * kScoreStride + t];
         if constexpr (kInt8<T>) pt *= value_scale;
         const __m256 p = _mm256_set1_ps(pt);
-        acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
-        acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
-        acc[h][2] = _mm256_fmadd_ps(p, v2, acc[h][2]);
-        acc[h][3] = _mm256_fmadd_ps(p, v3, acc[h][3]);
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_fmadd_ps(p, vv[j], acc[h][j]);
       }
     }
     for (int h = 0; h < NH; ++h) {
@@ -243,12 +259,6 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
 AGENTX_AVX512 inline __m512 load2x8(const float* a, const float* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
-AGENTX_AVX512 inline __m512 load2x8(const at::BFloat16* a, const at::BFloat16* b) {
-  const __m256i raw = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 AGENTX_AVX512 inline __m512 load2x8(const int8_t* a, const int8_t* b) {
   const __m128i raw = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
@@ -259,9 +269,25 @@ AGENTX_AVX512 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-AGENTX_AVX512 inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+
+AGENTX_AVX512 inline __m512 even16(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+AGENTX_AVX512 inline __m512 odd16(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(-65536)));
+}
+
+// 64 dims of key row v as 4 registers: load_values8's order, 16 dims a register
+template <typename T>
+AGENTX_AVX512 inline void load_values16(const T* v, __m512* out) {
+  for (int j = 0; j < 4; ++j) out[j] = load16(v + 16 * j);
+}
+AGENTX_AVX512 inline void load_values16(const at::BFloat16* v, __m512* out) {
+  const __m512i x0 = _mm512_loadu_si512(v), x1 = _mm512_loadu_si512(v + 32);
+  out[0] = even16(x0);
+  out[1] = odd16(x0);
+  out[2] = even16(x1);
+  out[3] = odd16(x1);
 }
 
 // row_scores, eight keys at a time: register j holds keys j (low half) and j + 4 (high half)
@@ -324,18 +350,15 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
     }
     for (int64_t t = 0; t < count; ++t) {
       pf->step();
-      const T* v = vb + t * ts + s;
-      const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+      __m512 vv[4];
+      load_values16(vb + t * ts + s, vv);
       float value_scale = 1.f;
       if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
       for (int h = 0; h < NH; ++h) {
         float pt = prob[h * kScoreStride + t];
         if constexpr (kInt8<T>) pt *= value_scale;
         const __m512 p = _mm512_set1_ps(pt);
-        acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
-        acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
-        acc[h][2] = _mm512_fmadd_ps(p, v2, acc[h][2]);
-        acc[h][3] = _mm512_fmadd_ps(p, v3, acc[h][3]);
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(p, vv[j], acc[h][j]);
       }
     }
     for (int h = 0; h < NH; ++h) {
@@ -379,14 +402,6 @@ inline void from_paired(float* x, int64_t d) {
   }
 }
 
-inline __m256i load_pairs8(const at::BFloat16* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-inline __m256 even8(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
-inline __m256 odd8(__m256i x) {
-  return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536)));
-}
-
 // one key's 16 lanes (lo: 0-7, hi: 8-15) folded to its sum
 inline float fold16(__m256 lo, __m256 hi) {
   const __m256 b = _mm256_add_ps(lo, hi);
@@ -417,43 +432,6 @@ inline void bf16_scores(const float* qp, const at::BFloat16* kb, int64_t count, 
     }
     for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = fold16(lo[h], hi[h]) * scale;
   }
-}
-
-// acc[h] = acc[h] * correction[h] + sum_t p[h][t] v[t], the sums in paired order, 32 dims a
-// pass; per dim the FMA chain runs t = 0, 1, ... as in row_values
-template <int D, int NH>
-inline void bf16_values(const float* prob, const at::BFloat16* vb, int64_t count, int64_t ts,
-                        const float* correction, State* const* st, Prefetcher* pf) {
-  for (int s = 0; s < D; s += kPairGroup) {
-    __m256 acc[NH][4];
-    for (int h = 0; h < NH; ++h) {
-      const __m256 c = _mm256_set1_ps(correction[h]);
-      for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(st[h]->acc + s + 8 * j), c);
-    }
-    for (int64_t t = 0; t < count; ++t) {
-      pf->step();
-      const at::BFloat16* v = vb + t * ts + s;
-      const __m256i x0 = load_pairs8(v), x1 = load_pairs8(v + 16);
-      const __m256 v0 = even8(x0), v1 = even8(x1), v2 = odd8(x0), v3 = odd8(x1);
-      for (int h = 0; h < NH; ++h) {
-        const __m256 p = _mm256_set1_ps(prob[h * kScoreStride + t]);
-        acc[h][0] = _mm256_fmadd_ps(p, v0, acc[h][0]);
-        acc[h][1] = _mm256_fmadd_ps(p, v1, acc[h][1]);
-        acc[h][2] = _mm256_fmadd_ps(p, v2, acc[h][2]);
-        acc[h][3] = _mm256_fmadd_ps(p, v3, acc[h][3]);
-      }
-    }
-    for (int h = 0; h < NH; ++h) {
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(st[h]->acc + s + 8 * j, acc[h][j]);
-    }
-  }
-}
-
-AGENTX_AVX512 inline __m512 even16(__m512i x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-}
-AGENTX_AVX512 inline __m512 odd16(__m512i x) {
-  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(-65536)));
 }
 
 // four keys' 16 lanes folded as fold16 folds them: [s0, s1, s2, s3]
@@ -510,43 +488,12 @@ AGENTX_AVX512 void bf16_scores_avx512(const float* qp, const at::BFloat16* kb, i
   constexpr int KB = NH > 3 ? 4 : 8;
   const __m128 scale4 = _mm_set1_ps(scale);
   int64_t t = 0;
-  for (; t + KB <= count; t += KB) bf16_key_block<D, NH, KB>(qp, kb + t * ts, KB, ts, scale4, score + t);
+  for (; t + KB <= count; t += KB) {
+    bf16_key_block<D, NH, KB>(qp, kb + t * ts, KB, ts, scale4, score + t);
+  }
   if (t < count) {
     bf16_key_block<D, NH, KB>(qp, kb + t * ts, static_cast<int>(count - t), ts, scale4,
                               score + t);
-  }
-}
-
-// bf16_values, 64 dims (two groups) a pass
-template <int D, int NH>
-AGENTX_AVX512 void bf16_values_avx512(const float* prob, const at::BFloat16* vb, int64_t count,
-                                      int64_t ts, const float* correction, State* const* st,
-                                      Prefetcher* pf) {
-  static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
-  for (int s = 0; s < D; s += 64) {
-    __m512 acc[NH][4];
-    for (int h = 0; h < NH; ++h) {
-      const __m512 c = _mm512_set1_ps(correction[h]);
-      for (int j = 0; j < 4; ++j) {
-        acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(st[h]->acc + s + 16 * j), c);
-      }
-    }
-    for (int64_t t = 0; t < count; ++t) {
-      pf->step();
-      const at::BFloat16* v = vb + t * ts + s;
-      const __m512i x0 = _mm512_loadu_si512(v), x1 = _mm512_loadu_si512(v + kPairGroup);
-      const __m512 v0 = even16(x0), v1 = odd16(x0), v2 = even16(x1), v3 = odd16(x1);
-      for (int h = 0; h < NH; ++h) {
-        const __m512 p = _mm512_set1_ps(prob[h * kScoreStride + t]);
-        acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
-        acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
-        acc[h][2] = _mm512_fmadd_ps(p, v2, acc[h][2]);
-        acc[h][3] = _mm512_fmadd_ps(p, v3, acc[h][3]);
-      }
-    }
-    for (int h = 0; h < NH; ++h) {
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(st[h]->acc + s + 16 * j, acc[h][j]);
-    }
   }
 }
 
@@ -652,13 +599,7 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
   for (int64_t off = 0, s = 0; off < count; ++s) {
     const int64_t n = std::min(segs[s].count, count - off);
     const float* c = off == 0 ? correction : ones;
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if constexpr (Wide) {
-        bf16_values_avx512<D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
-      } else {
-        bf16_values<D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
-      }
-    } else if constexpr (Wide) {
+    if constexpr (Wide) {
       row_values_avx512<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
     } else {
       row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);

@@ -141,8 +141,8 @@ def test_int8_chunk_rows_equal_rows_alone(block_size, window):
 @pytest.mark.skipif(not cpu.available() or not cpu.has_avx512(), reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_int8_avx512_equals_avx2(case):
-    # decode rows, then a prefill chunk (rows 1..4 of one request: a tile of rows), then a
-    # decode row: the AVX-512 loops run every lane as the AVX2 code does, bit for bit
+    # the case's decode rows, then a 3-row prefill chunk of one more request (a tile of rows):
+    # the AVX-512 loops run every lane as the AVX2 code does, bit for bit
     q, cache, args = _decode_case(*case)
     qs = torch.cat([q, q[:3] * 0.5])
     loc = list(range(len(args[1]) + 1)) + [len(args[1]) + 3]

@@ -10,6 +10,7 @@ milliseconds for 30 layers, and the KV bytes read per second.
     python benchmarks/attention_kernel_bench.py                 # decode rows and a prefill tile
     python benchmarks/attention_kernel_bench.py --threads 1 --context 2048 --requests 8
     python benchmarks/attention_kernel_bench.py --kv-dtype int8   # int8 KV (kernels/ref/kv_int8.py)
+    python benchmarks/attention_kernel_bench.py --layers 1       # one pool: the kernel from cache
 """
 
 # ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
@@ -32,12 +33,12 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 LAYERS = 30
 
 
-def run(threads: int, context: int, requests: int, rows: int, kv_dtype: str) -> str:
+def run(threads: int, context: int, requests: int, rows: int, kv_dtype: str, layers: int) -> str:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     per_request = context // BLOCK + 1
     pools = []
-    for _ in range(LAYERS):
+    for _ in range(layers):
         pool = torch.randn(per_request * requests + 1, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=g)
         pools.append(quantize_rows(pool) if kv_dtype == "int8" else pool.to(torch.bfloat16))
     tables = (torch.randperm(per_request * requests, generator=g) + 1).view(requests, per_request)
@@ -45,18 +46,18 @@ def run(threads: int, context: int, requests: int, rows: int, kv_dtype: str) -> 
     token_req = torch.arange(requests).repeat_interleave(rows)
     token_len = torch.arange(context - rows + 1, context + 1, dtype=torch.long).repeat(requests)
     op = torch.ops.agentx.paged_attention_rows
-    for i in range(LAYERS):
+    for i in range(layers):
         op(q, pools[i], tables, token_req, token_len, HEAD_DIM**-0.5, 0)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         for i in range(3 * LAYERS):
-            op(q, pools[i % LAYERS], tables, token_req, token_len, HEAD_DIM**-0.5, 0)
+            op(q, pools[i % layers], tables, token_req, token_len, HEAD_DIM**-0.5, 0)
         best = min(best, (time.perf_counter() - start) / (3 * LAYERS))
     kv_bytes = requests * context * 2 * pools[0][0, 0, 0].numel() * pools[0].element_size()
     return (
-        f"| {kv_dtype} | {threads} | {context} | {requests} | {rows} | {best * 1e6:,.0f} | "
-        f"{best * LAYERS * 1e3:.2f} | {kv_bytes / best / 1e9:.1f} |"
+        f"| {kv_dtype} | {layers} | {threads} | {context} | {requests} | {rows} | "
+        f"{best * 1e6:,.0f} | {best * LAYERS * 1e3:.2f} | {kv_bytes / best / 1e9:.1f} |"
     )
 
 
@@ -67,18 +68,26 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--rows", type=int, default=1, help="query rows a request (1: decode)")
     parser.add_argument("--kv-dtype", nargs="*", default=["bfloat16"], choices=("bfloat16", "int8"))
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=LAYERS,
+        help="pools the calls cycle through (1: one pool, read from cache)",
+    )
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit("the CPU kernels are not built (python -m agentx.kernels.cpu)")
     print(
-        "| KV | threads | context | requests | rows each | us a call | ms for 30 layers | KV GB/s |"
+        "| KV | pools | threads | context | requests | rows each | us a call | ms for 30 layers "
+        "| KV GB/s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kv_dtype in args.kv_dtype:
         for threads in args.threads:
             for context in args.context:
                 for requests in args.requests:
-                    print(run(threads, context, requests, args.rows, kv_dtype), flush=True)
+                    row = run(threads, context, requests, args.rows, kv_dtype, args.layers)
+                    print(row, flush=True)
 
 
 if __name__ == "__main__":

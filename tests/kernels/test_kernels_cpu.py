@@ -125,6 +125,15 @@ def _decode_case(dtype, heads, kv_heads, head_dim, block_size, window):
     return q, cache, (loc, seq_lens, tables, decode_ids, [], head_dim**-0.5, window)
 
 
+def _want(q, cache, *args):
+    """The reference's attention for the kernel's arithmetic: a bf16 cache's kernel rounds the
+    query to bf16 (bf16 products), so the reference gets that query and the cache's values,
+    exactly."""
+    if cache.dtype == torch.bfloat16:
+        q = q.bfloat16().float()
+    return ref_attention.paged_attention(q, cache.float(), *args)
+
+
 DECODE_CASES = [
     (9, 3, 64, 16, None),
     (4, 4, 128, 32, None),
@@ -141,7 +150,7 @@ DECODE_CASES = [
 def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, block_size, window):
     q, cache, args = _decode_case(dtype, heads, kv_heads, head_dim, block_size, window)
     seq_lens, tables = args[1], args[2]
-    want = ref_attention.paged_attention(q, cache.float(), *args)  # the bf16 values, exactly
+    want = _want(q, cache, *args)
     if window is not None:  # blocks wholly out of the window may already be freed: poison them
         for i, n in enumerate(seq_lens):
             for b in range(max(0, n - window) // block_size):
@@ -194,7 +203,7 @@ def test_prefill_rows_equal_the_same_rows_alone(dtype):
     q = torch.randn(20, 9, 64, generator=gen)
     chunk = (q, cache, [0, 20], [150], tables[1:2], torch.tensor([], dtype=torch.long), [0])
     got = cpu.paged_attention(*chunk, 0.125, None)
-    want = ref_attention.paged_attention(q, cache.float(), *chunk[2:], 0.125, None)
+    want = _want(q, cache, *chunk[2:], 0.125, None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
     for r in (0, 7, 8, 19):  # the same row decoded alone: bit for bit
         alone = cpu.paged_attention(
@@ -219,8 +228,7 @@ def test_chunks_across_blocks_equal_rows_alone(dtype, block_size, window):
     no_decodes = torch.tensor([], dtype=torch.long)
     chunk = (q, cache, [0, 70], [700], table, no_decodes, [0], 0.125, window)
     got = cpu.paged_attention(*chunk)
-    want = ref_attention.paged_attention(q, cache.float(), *chunk[2:])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(got, _want(q, cache, *chunk[2:]), rtol=1e-5, atol=2e-5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

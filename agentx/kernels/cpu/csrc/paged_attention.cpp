@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -369,15 +370,20 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
 
 // bf16 caches. A 64-byte line of a K or V row holds 32 bf16 values as 16 dwords, each two
 // neighbouring dims: shifting a dword left by 16 gives the even dim as a float, masking off its
-// low half the odd one (exact, two plain ALU ops per 16 values, no widening shuffles). The bf16
-// kernels keep dims in that "paired order" (in each group of 32: the 16 even dims, then the 16
-// odd ones): the query is copied into it, value sums are kept in it and put back in dim order
-// after the tile. A key's score is
-//   16 lanes j, each one FMA chain over the groups c: dim 32c + 2j, then dim 32c + 2j + 1;
+// low half the odd one (exact, two plain ALU ops per 16 values, no widening shuffles). Scores
+// take bf16 products: the query is rounded to bf16 (to nearest even, denormals to zero) and a
+// key's score is
+//   16 lanes j, each one chain over the groups c of 32 dims: + q k of dim 32c + 2j + 1, then
+//   + q k of dim 32c + 2j (exact products, each + rounded to float32, denormals flushed);
 //   the lanes then fold in halves: j + (j + 8), then j + (j + 4), j + (j + 2), 0 + 1;
 //   times the scale.
-// Each dim of a value sum is the same FMA chain over the keys as in the other caches. AVX-512
-// runs the 16 lanes in one register, AVX2 in two of 8: the same operations, lane by lane.
+// A lane's two steps are what VDPBF16PS does for a dword (AVX512_BF16: one instruction a line
+// and head), and what two FMAs do under MXCSR's DAZ and FTZ, which a bf16 tile sets on every
+// CPU (AVX2, and AVX-512 without BF16, run the FMAs, 8 lanes a register): the same bits.
+// Value rows are read in "paired order" (in each group of 32 dims: the 16 even ones, then the
+// 16 odd ones; the AVX2 loops keep the query in it too): value sums are kept in it and put
+// back in dim order after the tile. Each dim of a value sum is the same FMA chain over the keys
+// (probabilities in float32) as in the other caches.
 constexpr int kPairGroup = 32;
 
 // dims in paired order (d a multiple of 32)
@@ -402,6 +408,30 @@ inline void from_paired(float* x, int64_t d) {
   }
 }
 
+constexpr int kMaxHeadDim = 256;
+
+// x rounded to bf16 (to nearest, ties to even; denormals to signed zero), as a float
+inline float bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7F800000u) == 0) {
+    u &= 0x80000000u;
+  } else if ((u & 0x7F800000u) != 0x7F800000u) {
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  } else if (u & 0x7FFFFFu) {
+    u = (u | 0x400000u) & 0xFFFF0000u;  // NaN stays NaN
+  }
+  std::memcpy(&x, &u, sizeof(u));
+  return x;
+}
+
+// Sets MXCSR's DAZ and FTZ for its lifetime, then puts MXCSR back.
+struct FlushDenormals {
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
 // one key's 16 lanes (lo: 0-7, hi: 8-15) folded to its sum
 inline float fold16(__m256 lo, __m256 hi) {
   const __m256 b = _mm256_add_ps(lo, hi);
@@ -410,8 +440,8 @@ inline float fold16(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
 }
 
-// Scores of keys [0, count) for NH query heads (qp: each head's D dims in paired order), one
-// key at a time: 2 NH accumulators and the key's four registers fit AVX2's 16.
+// Scores of keys [0, count) for NH query heads (qp: each head's D rounded dims in paired
+// order), one key at a time: 2 NH accumulators and the key's four registers fit AVX2's 16.
 template <int D, int NH>
 inline void bf16_scores(const float* qp, const at::BFloat16* kb, int64_t count, int64_t ts,
                         float scale, float* score) {
@@ -424,10 +454,10 @@ inline void bf16_scores(const float* qp, const at::BFloat16* kb, int64_t count, 
       const __m256 e0 = even8(x0), o0 = odd8(x0), e1 = even8(x1), o1 = odd8(x1);
       for (int h = 0; h < NH; ++h) {
         const float* qh = qp + h * D + c;
-        lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), e0, lo[h]);
         lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16), o0, lo[h]);
-        hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), e1, hi[h]);
+        lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), e0, lo[h]);
         hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 24), o1, hi[h]);
+        hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), e1, hi[h]);
       }
     }
     for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = fold16(lo[h], hi[h]) * scale;
@@ -448,22 +478,30 @@ AGENTX_AVX512 inline __m128 fold16x4(const __m512* a) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, e));
 }
 
-// n <= KB keys from k (ts apart) for NH heads: their scores at score[h * kScoreStride + j]
+// AVX-512 CPUs with AVX512_BF16: one VDPBF16PS a 64-byte line and head
+#define AGENTX_AVX512BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool cpu_has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// n <= KB keys from k (ts apart) for NH heads (qb: each head's D rounded dims as bf16, in dim
+// order, D floats apart): their scores at score[h * kScoreStride + j]
 template <int D, int NH, int KB>
-AGENTX_AVX512 __attribute__((always_inline)) inline void bf16_key_block(
-    const float* qp, const at::BFloat16* k, int n, int64_t ts, __m128 scale4, float* score) {
+AGENTX_AVX512BF16 __attribute__((always_inline)) inline void bf16_key_block(
+    const float* qb, const at::BFloat16* k, int n, int64_t ts, __m128 scale4, float* score) {
   __m512 acc[NH][KB];
   for (int h = 0; h < NH; ++h) {
     for (int j = 0; j < KB; ++j) acc[h][j] = _mm512_setzero_ps();
   }
   for (int j = 0; j < KB && j < n; ++j) {
     for (int c = 0; c < D; c += kPairGroup) {
-      const __m512i x = _mm512_loadu_si512(k + j * ts + c);
-      const __m512 e = even16(x), o = odd16(x);
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(k + j * ts + c);
       for (int h = 0; h < NH; ++h) {
-        const float* qh = qp + h * D + c;
-        acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh), e, acc[h][j]);
-        acc[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16), o, acc[h][j]);
+        const at::BFloat16* qh = reinterpret_cast<const at::BFloat16*>(qb + h * D) + c;
+        acc[h][j] = _mm512_dpbf16_ps(acc[h][j], x, (__m512bh)_mm512_loadu_si512(qh));
       }
     }
   }
@@ -483,16 +521,16 @@ AGENTX_AVX512 __attribute__((always_inline)) inline void bf16_key_block(
 // bf16_scores, a block of keys at a time (8, or 4 for more than 3 heads: NH x KB accumulators)
 // so that four keys' lanes fold together
 template <int D, int NH>
-AGENTX_AVX512 void bf16_scores_avx512(const float* qp, const at::BFloat16* kb, int64_t count,
-                                      int64_t ts, float scale, float* score) {
+AGENTX_AVX512BF16 void bf16_scores_avx512(const float* qb, const at::BFloat16* kb,
+                                          int64_t count, int64_t ts, float scale, float* score) {
   constexpr int KB = NH > 3 ? 4 : 8;
   const __m128 scale4 = _mm_set1_ps(scale);
   int64_t t = 0;
   for (; t + KB <= count; t += KB) {
-    bf16_key_block<D, NH, KB>(qp, kb + t * ts, KB, ts, scale4, score + t);
+    bf16_key_block<D, NH, KB>(qb, kb + t * ts, KB, ts, scale4, score + t);
   }
   if (t < count) {
-    bf16_key_block<D, NH, KB>(qp, kb + t * ts, static_cast<int>(count - t), ts, scale4,
+    bf16_key_block<D, NH, KB>(qb, kb + t * ts, static_cast<int>(count - t), ts, scale4,
                               score + t);
   }
 }
@@ -672,14 +710,25 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   const int64_t row = D + kRowExtra<T>;  // one (token, KV head) row
   const int64_t token_stride = num_kv_heads * row, heads = num_kv_heads * group;
   constexpr bool kPaired = std::is_same_v<T, at::BFloat16>;
-  if constexpr (kPaired) {  // the tile's queries in paired order
+  std::optional<FlushDenormals> flush;  // bf16: the float steps VDPBF16PS takes, on any CPU
+  if constexpr (kPaired) {  // the tile's queries rounded to bf16: in paired order, or as bf16
+    flush.emplace();
     thread_local std::vector<float> paired;
     if (static_cast<int64_t>(paired.size()) < tile_rows * heads * D) {
       paired.resize(tile_rows * heads * D);
     }
+    float rounded[kMaxHeadDim];
     for (int64_t r = 0; r < tile_rows; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
-        to_paired(q + r * q_row_stride + h * D, D, paired.data() + (r * heads + h) * D);
+        const float* src = q + r * q_row_stride + h * D;
+        float* dst = paired.data() + (r * heads + h) * D;
+        for (int64_t d = 0; d < D; ++d) rounded[d] = bf16_round(src[d]);
+        if constexpr (Wide) {  // bf16 values in dim order (VDPBF16PS's operand)
+          auto* bits = reinterpret_cast<at::BFloat16*>(dst);
+          for (int64_t d = 0; d < D; ++d) bits[d] = at::BFloat16(rounded[d]);  // exact
+        } else {
+          to_paired(rounded, D, dst);
+        }
       }
     }
     q = paired.data();
@@ -765,7 +814,12 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
               int64_t rows, int64_t heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t block_size, int64_t window, float scale, float* out) {
   TileFn<T> fn = tile_fn<T, false>(head_dim);
-  if (kernel_isa(-1) >= kIsaAvx512) fn = tile_fn<T, true>(head_dim);
+  // bf16 caches take the AVX-512 loops where the CPU has VDPBF16PS (the AVX2 loops give the
+  // same bits)
+  if (kernel_isa(-1) >= kIsaAvx512 &&
+      (!std::is_same_v<T, at::BFloat16> || cpu_has_avx512_bf16())) {
+    fn = tile_fn<T, true>(head_dim);
+  }
   TORCH_CHECK(fn != nullptr, "paged attention: head_dim must be 64, 128 or 256");
   const int64_t group = heads / num_kv_heads;
   // Tiles of rows, then (tile, split) items. Rows of a tile share their splits' bounds:

@@ -193,6 +193,29 @@ def test_paged_attention_avx512_equals_avx2(dtype, case):
     assert torch.equal(outs[0], outs[1])  # every lane runs the AVX2 lane's arithmetic
 
 
+@needs_avx512
+def test_bf16_denormals_flush_alike_on_every_isa():
+    # VDPBF16PS treats denormal inputs as zero and flushes denormal sums; the AVX2 loops get
+    # the same from MXCSR's DAZ and FTZ. Keys of tiny and denormal values and queries near the
+    # float maximum (so the denormals' products would weigh in the scores), a decode row and a
+    # tile of prefill rows: the same bits on both ISAs.
+    gen = torch.Generator().manual_seed(9)
+    cache = _random_cache(12, 16, 3, 64, torch.float32, 0, gen)
+    cache[:, 0] *= torch.where(torch.rand(cache[:, 0].shape, generator=gen) < 0.5, 1e-38, 1e-36)
+    cache = cache.to(torch.bfloat16)
+    keys = cache[:, 0].float()
+    assert ((keys != 0) & (keys.abs() < 1.1754944e-38)).sum() > 1000  # denormals
+    q = torch.randn(9, 9, 64, generator=gen) * 1e33
+    tables = torch.arange(1, 11).reshape(2, 5)
+    args = (q, cache, [0, 1, 9], [70, 77], tables, torch.tensor([0]), [1], 0.125, None)
+    outs = []
+    for isa in ("avx2", "avx512"):
+        with cpu.use_isa(isa):
+            outs.append(cpu.paged_attention(*args))
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_rows_equal_the_same_rows_alone(dtype):

@@ -408,8 +408,6 @@ inline void from_paired(float* x, int64_t d) {
   }
 }
 
-constexpr int kMaxHeadDim = 256;
-
 // x rounded to bf16 (to nearest, ties to even; denormals to signed zero), as a float
 inline float bf16_round(float x) {
   uint32_t u;
@@ -423,6 +421,28 @@ inline float bf16_round(float x) {
   }
   std::memcpy(&x, &u, sizeof(u));
   return x;
+}
+
+// bf16_round over n floats, 8 at a time where no lane is a NaN (the same integer steps)
+void round_to_bf16(const float* src, int64_t n, float* dst) {
+  const __m256i exponent = _mm256_set1_epi32(0x7F800000), one = _mm256_set1_epi32(1);
+  const __m256i half = _mm256_set1_epi32(0x7FFF), high = _mm256_set1_epi32(-65536);
+  const __m256i sign = _mm256_set1_epi32(INT32_MIN);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i e = _mm256_and_si256(u, exponent);
+    if (!_mm256_testz_si256(_mm256_cmpeq_epi32(e, exponent), _mm256_set1_epi32(-1))) {
+      for (int j = 0; j < 8; ++j) dst[i + j] = bf16_round(src[i + j]);  // an Inf or NaN
+      continue;
+    }
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, half), lsb), high);
+    const __m256i tiny = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_blendv_epi8(r, _mm256_and_si256(u, sign), tiny));
+  }
+  for (; i < n; ++i) dst[i] = bf16_round(src[i]);
 }
 
 // Sets MXCSR's DAZ and FTZ for its lifetime, then puts MXCSR back.
@@ -485,6 +505,14 @@ AGENTX_AVX512 inline __m128 fold16x4(const __m512* a) {
 bool cpu_has_avx512_bf16() {
   static const bool has = __builtin_cpu_supports("avx512bf16");
   return has;
+}
+
+// d floats already rounded to bf16 (a multiple of 32) as bf16: exact
+AGENTX_AVX512BF16 void to_bf16(const float* src, int64_t d, at::BFloat16* dst) {
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16), _mm512_loadu_ps(src + c));
+    _mm512_storeu_si512(dst + c, (__m512i)b);
+  }
 }
 
 // n <= KB keys from k (ts apart) for NH heads (qb: each head's D rounded dims as bf16, in dim
@@ -717,17 +745,14 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
     if (static_cast<int64_t>(paired.size()) < tile_rows * heads * D) {
       paired.resize(tile_rows * heads * D);
     }
-    float rounded[kMaxHeadDim];
-    for (int64_t r = 0; r < tile_rows; ++r) {
+    for (int64_t r = 0; r < tile_rows; ++r) {  // q: rounded by run_rows
       for (int64_t h = 0; h < heads; ++h) {
         const float* src = q + r * q_row_stride + h * D;
         float* dst = paired.data() + (r * heads + h) * D;
-        for (int64_t d = 0; d < D; ++d) rounded[d] = bf16_round(src[d]);
         if constexpr (Wide) {  // bf16 values in dim order (VDPBF16PS's operand)
-          auto* bits = reinterpret_cast<at::BFloat16*>(dst);
-          for (int64_t d = 0; d < D; ++d) bits[d] = at::BFloat16(rounded[d]);  // exact
+          to_bf16(src, D, reinterpret_cast<at::BFloat16*>(dst));
         } else {
-          to_paired(rounded, D, dst);
+          to_paired(src, D, dst);
         }
       }
     }
@@ -876,6 +901,12 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
   }
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::vector<float> rounded;
+  if constexpr (std::is_same_v<T, at::BFloat16>) {  // scores take the query rounded to bf16
+    rounded.resize(rows * heads * head_dim);
+    round_to_bf16(q, rows * heads * head_dim, rounded.data());
+    q = rounded.data();
+  }
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
   parallel_for(0, workers, 1, [&](int64_t, int64_t) {

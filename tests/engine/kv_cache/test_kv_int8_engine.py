@@ -102,13 +102,15 @@ def test_evicted_to_host_and_reloaded_keeps_tokens(make_engine):
 
 def test_int8_close_to_bf16(make_engine):
     """Another arithmetic: the parity rule at the quantized tolerance (int8 rounding of every
-    cached K and V row). Measured on the AMD Zen 3 box: 6 of 10 exact, the four others near-ties
-    with gaps up to 0.38 nats."""
+    cached K and V row): every divergence a near-tie. How many of the 10 continuations match
+    exactly is no measure here: both sides are quantized arithmetics, and any change of float
+    order in either moves their near-ties (6 of 10 exact on the Zen 3 box with fp32 scores from
+    bf16 KV; 4 on Zen 5 once bf16 KV's scores took bf16 products, every gap <= 0.38 nats)."""
     bf16 = make_engine(cache=CacheConfig(kv_cache_bytes=128 << 20, kv_cache_dtype="bfloat16"))
     int8 = make_engine(cache=INT8)
     prompts = [bf16.tokenizer.encode(p) for p in PARITY_PROMPTS]
     want = bf16.generate(prompts, parity_sampling())
     got = int8.generate(prompts, parity_sampling())
     check_logprobs_close(
-        want, got, min_exact=5, tolerance=QUANTIZED_TOLERANCE, names=("bf16 KV", "int8 KV")
+        want, got, min_exact=0, tolerance=QUANTIZED_TOLERANCE, names=("bf16 KV", "int8 KV")
     )

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from agentx.bench.adapter import Done, GenerateRequest
 from agentx.bench.engines import EngineSettings, make_engine, resolve_model
+from agentx.bench.results import machine_info
 
 PROMPT_LONG = 2048
 PROMPT_SHORT = 128
@@ -156,12 +157,13 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 
 def _machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    return {"cpu": machine_info()["cpu"], "cores": os.cpu_count(),
             "python": platform.python_version()}  # fmt: skip
 
 
 def render(record: dict) -> str:
-    lines = [f"`{record['command']}` ({record['date']}, {record['machine']['cores']} cores)", "",
+    m = record["machine"]
+    lines = [f"`{record['command']}` ({record['date']}, {m['cpu']}, {m['cores']} cores)", "",
              "| engine | setting | prefill 2K tok/s (TTFT s) | decode tok/s, 128-token prompt "
              "| decode tok/s, after 2K |", "|---|---|---|---|---|"]  # fmt: skip
     for spec, r in record["results"].items():

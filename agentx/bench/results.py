@@ -51,14 +51,35 @@ def versions() -> dict:
     return out
 
 
+# the flags that pick a kernel path (agentx/kernels/cpu): a record names the ISA its figures ran on
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
 def _cpu_model() -> str:
+    """The CPU's model name, with its family / model numbers and the ISA flags that choose the
+    kernels: a virtual machine often names every AMD generation just "AMD EPYC"."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    return cpu_model_from(text) or platform.processor() or platform.machine()
+
+
+def cpu_model_from(cpuinfo: str) -> str:
+    """E.g. 'AMD EPYC (family 23 model 49; avx2)' from /proc/cpuinfo's text; '' if it names none."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block says it for all
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "")
+    if not name:
+        return ""
+    flags = set(fields.get("flags", "").split())
+    isa = ", ".join(f for f in _ISA_FLAGS if f in flags) or "no avx2"
+    family, model = fields.get("cpu family", "?"), fields.get("model", "?")
+    return f"{name} (family {family} model {model}; {isa})"
 
 
 def _ram_gib() -> float | None:

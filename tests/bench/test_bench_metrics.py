@@ -9,7 +9,7 @@ from agentx.bench.adapter import EngineInfo
 from agentx.bench.metrics import draft_acceptance, percentile, run_metrics, tpgs_at_floor
 from agentx.bench.records import RequestRecord, RunResult
 from agentx.bench.report import markdown
-from agentx.bench.results import Results, make_header
+from agentx.bench.results import Results, cpu_model_from, make_header
 
 
 def rec(rid, prompt, times, submit=0.0, cached=None, theo=0, error=None):
@@ -132,3 +132,32 @@ def test_results_roundtrip_report_and_plots(tmp_path):
         "ttft_cdf.png",
     ]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+ZEN2_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 23
+model\t\t: 49
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx f16c fma avx2 bmi2
+
+processor\t: 1
+model name\t: Some Other Name
+flags\t\t: avx512f
+"""
+
+
+def test_cpu_model_names_family_model_and_the_kernel_isa():
+    # a VM's "AMD EPYC" alone does not say Zen 2 from Zen 5: the record carries both numbers
+    assert cpu_model_from(ZEN2_CPUINFO) == "AMD EPYC (family 23 model 49; avx2)"
+    xeon = ZEN2_CPUINFO.replace("AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+").replace(
+        "fma avx2 bmi2", "avx2 avx512f avx512_vnni avx512_bf16 amx_tile amx_int8"
+    )
+    assert cpu_model_from(xeon) == (
+        "Intel(R) Xeon(R) Platinum 8480+ (family 23 model 49; "
+        "avx2, avx512f, avx512_vnni, avx512_bf16, amx_tile)"
+    )
+    assert cpu_model_from(ZEN2_CPUINFO.replace(" avx2", "")) == (
+        "AMD EPYC (family 23 model 49; no avx2)"
+    )
+    assert cpu_model_from("processor\t: 0\n") == ""

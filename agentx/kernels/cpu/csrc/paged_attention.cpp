@@ -68,6 +68,22 @@ inline void load_values8(const at::BFloat16* v, __m256* out) {
   out[3] = odd8(x1);
 }
 
+// Half of that slice, its registers `half` and `half` + 2 for bf16 (x0's or x1's even and odd
+// dims: one load), `2 half` and `2 half` + 1 otherwise. kHalfReg<T>(half, i): register i's index.
+template <typename T>
+constexpr int kHalfReg(int half, int i) {
+  return std::is_same_v<T, at::BFloat16> ? half + 2 * i : 2 * half + i;
+}
+template <typename T>
+inline void load_values8_half(const T* v, int half, __m256* out) {
+  for (int i = 0; i < 2; ++i) out[i] = load8(v + 8 * kHalfReg<T>(half, i));
+}
+inline void load_values8_half(const at::BFloat16* v, int half, __m256* out) {
+  const __m256i x = load_pairs8(v + 16 * half);
+  out[0] = even8(x);
+  out[1] = odd8(x);
+}
+
 // int8 caches: each (token, KV head) row ends in its float32 scale.
 template <typename T>
 constexpr bool kInt8 = std::is_same_v<T, int8_t>;
@@ -224,9 +240,47 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
 // acc[h] = acc[h] * correction[h] + sum_t p[h][t] v[t] for NH heads of one row (bf16: the sums
 // in paired order), a slice of 32 dims at a time so each V load serves every head; per element
 // the FMA chain runs t = 0, 1, ...
+//
+// Three heads' 12 accumulators, a bf16 slice's 4 registers and a broadcast need 17 of AVX2's 16
+// registers (one accumulator would then live in memory, its chain waiting on a store each key),
+// so three heads take a bf16 slice in two halves of 2 registers, the keys once for each (int8's
+// conversions are dearer than that: measured slower so).
 template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
                        const float* correction, State* const* st, Prefetcher* pf) {
+  if constexpr (NH == 3 && std::is_same_v<T, at::BFloat16>) {
+    for (int s = 0; s < D; s += 32) {
+      for (int half = 0; half < 2; ++half) {
+        __m256 acc[NH][2];
+        for (int h = 0; h < NH; ++h) {
+          const __m256 c = _mm256_set1_ps(correction[h]);
+          for (int i = 0; i < 2; ++i) {
+            const float* a = st[h]->acc + s + 8 * kHalfReg<T>(half, i);
+            acc[h][i] = _mm256_mul_ps(_mm256_loadu_ps(a), c);
+          }
+        }
+        for (int64_t t = 0; t < count; ++t) {
+          if (half == 0) pf->step();  // once a key and slice, as calls are counted
+          __m256 vv[2];
+          load_values8_half(vb + t * ts + s, half, vv);
+          float value_scale = 1.f;
+          if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
+          for (int h = 0; h < NH; ++h) {
+            float pt = prob[h * kScoreStride + t];
+            if constexpr (kInt8<T>) pt *= value_scale;
+            const __m256 p = _mm256_set1_ps(pt);
+            for (int i = 0; i < 2; ++i) acc[h][i] = _mm256_fmadd_ps(p, vv[i], acc[h][i]);
+          }
+        }
+        for (int h = 0; h < NH; ++h) {
+          for (int i = 0; i < 2; ++i) {
+            _mm256_storeu_ps(st[h]->acc + s + 8 * kHalfReg<T>(half, i), acc[h][i]);
+          }
+        }
+      }
+    }
+    return;
+  }
   for (int s = 0; s < D; s += 32) {
     __m256 acc[NH][4];
     for (int h = 0; h < NH; ++h) {
@@ -452,39 +506,72 @@ struct FlushDenormals {
   ~FlushDenormals() { _mm_setcsr(saved); }
 };
 
-// one key's 16 lanes (lo: 0-7, hi: 8-15) folded to its sum
-inline float fold16(__m256 lo, __m256 hi) {
-  const __m256 b = _mm256_add_ps(lo, hi);
+// one key's 16 lanes (lo: 0-7, hi: 8-15) fold to its sum in halves: b = lo + hi, then
+// fold8(b): j + (j + 4), j + (j + 2), 0 + 1
+inline float fold8(__m256 b) {
   const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
   const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c));
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
 }
 
+// four keys' lanes (b[k]: key k's lo + hi) folded as fold8 folds each: [s0, s1, s2, s3]
+inline __m128 fold8x4(const __m256* b) {
+  // j + (j + 4): [c0 | c1] and [c2 | c3]
+  const __m256 c01 = _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+                                   _mm256_permute2f128_ps(b[0], b[1], 0x31));
+  const __m256 c23 = _mm256_add_ps(_mm256_permute2f128_ps(b[2], b[3], 0x20),
+                                   _mm256_permute2f128_ps(b[2], b[3], 0x31));
+  // j + (j + 2): [d0_0 d0_1 d2_0 d2_1 | d1_0 d1_1 d3_0 d3_1]
+  const __m256 d =
+      _mm256_add_ps(_mm256_shuffle_ps(c01, c23, 0x44), _mm256_shuffle_ps(c01, c23, 0xEE));
+  // 0 + 1: [s0 s2 s0 s2 | s1 s3 s1 s3]
+  const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(d, d, 0x88), _mm256_shuffle_ps(d, d, 0xDD));
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(e), _mm256_extractf128_ps(e, 1));
+}
+
+// One key's 16 lanes for NH heads (qp as below), lo + hi: b[h]
+template <int D, int NH>
+inline void bf16_key_lanes(const float* qp, const at::BFloat16* k, __m256* b) {
+  __m256 lo[NH], hi[NH];
+  for (int h = 0; h < NH; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
+  for (int c = 0; c < D; c += kPairGroup) {
+    const __m256i x0 = load_pairs8(k + c), x1 = load_pairs8(k + c + 16);
+    const __m256 e0 = even8(x0), o0 = odd8(x0), e1 = even8(x1), o1 = odd8(x1);
+    for (int h = 0; h < NH; ++h) {
+      const float* qh = qp + h * D + c;
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16), o0, lo[h]);
+      lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), e0, lo[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 24), o1, hi[h]);
+      hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), e1, hi[h]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) b[h] = _mm256_add_ps(lo[h], hi[h]);
+}
+
 // Scores of keys [0, count) for NH query heads (qp: each head's D rounded dims in paired
-// order), one key at a time: 2 NH accumulators and the key's four registers fit AVX2's 16.
+// order), one key at a time (2 NH accumulators and the key's four registers fit AVX2's 16),
+// four keys' lanes folded together.
 template <int D, int NH>
 inline void bf16_scores(const float* qp, const at::BFloat16* kb, int64_t count, int64_t ts,
                         float scale, float* score) {
-  for (int64_t t = 0; t < count; ++t) {
-    const at::BFloat16* k = kb + t * ts;
-    __m256 lo[NH], hi[NH];
-    for (int h = 0; h < NH; ++h) lo[h] = hi[h] = _mm256_setzero_ps();
-    for (int c = 0; c < D; c += kPairGroup) {
-      const __m256i x0 = load_pairs8(k + c), x1 = load_pairs8(k + c + 16);
-      const __m256 e0 = even8(x0), o0 = odd8(x0), e1 = even8(x1), o1 = odd8(x1);
-      for (int h = 0; h < NH; ++h) {
-        const float* qh = qp + h * D + c;
-        lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16), o0, lo[h]);
-        lo[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh), e0, lo[h]);
-        hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 24), o1, hi[h]);
-        hi[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8), e1, hi[h]);
-      }
+  const __m128 scale4 = _mm_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) {
+    __m256 key[4][NH];
+    for (int j = 0; j < 4; ++j) bf16_key_lanes<D, NH>(qp, kb + (t + j) * ts, key[j]);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 b[4] = {key[0][h], key[1][h], key[2][h], key[3][h]};
+      _mm_storeu_ps(score + h * kScoreStride + t, _mm_mul_ps(fold8x4(b), scale4));
     }
-    for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = fold16(lo[h], hi[h]) * scale;
+  }
+  for (; t < count; ++t) {
+    __m256 b[NH];
+    bf16_key_lanes<D, NH>(qp, kb + t * ts, b);
+    for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = fold8(b[h]) * scale;
   }
 }
 
-// four keys' 16 lanes folded as fold16 folds them: [s0, s1, s2, s3]
+// four keys' 16 lanes folded as fold8 folds each key's lo + hi: [s0, s1, s2, s3]
 AGENTX_AVX512 inline __m128 fold16x4(const __m512* a) {
   const __m512 b01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44),
                                    _mm512_shuffle_f32x4(a[0], a[1], 0xEE));  // j + (j + 8)

@@ -84,6 +84,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* d
   });
 }
 
+// An empty asm on the register: the adds stay one chain a row, as written. Without it GCC
+// reassociates a group's 32 integer adds into a tree (the same sums) whose products outnumber
+// AVX2's registers, and spills them to the stack.
+inline void keep_chain(__m256i& v) { asm("" : "+x"(v)); }
+
 // R rows x one tile of 8 columns, int4 weights.
 template <int R>
 void tile_int4(const uint8_t* w, const float* scale, const float* mins, const int8_t* xq,
@@ -106,6 +111,7 @@ void tile_int4(const uint8_t* w, const float* scale, const float* mins, const in
         // 8 pairs of products a 16-bit lane, |each| <= 15 * 127: no saturation in a group
         isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, bcast4(xr)));
         isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, bcast4(xr + 4)));
+        keep_chain(isum[r]);
       }
     }
     const __m256 d = _mm256_loadu_ps(scale + g * kTile);
@@ -140,6 +146,7 @@ void tile_int8(const int8_t* w, const float* scale, const int8_t* xq, const floa
         // |w| * (x * sign(w)): |w| <= 127 (the packer clamps -128), pairs fit in 16 bits
         const __m256i prod = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xb, wq));
         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(prod, ones));
+        keep_chain(isum[r]);
       }
     }
     const __m256 d = _mm256_loadu_ps(scale + g * kTile);

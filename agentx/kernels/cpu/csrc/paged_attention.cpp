@@ -243,65 +243,43 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
 //
 // Three heads' 12 accumulators, a bf16 slice's 4 registers and a broadcast need 17 of AVX2's 16
 // registers (one accumulator would then live in memory, its chain waiting on a store each key),
-// so three heads take a bf16 slice in two halves of 2 registers, the keys once for each (int8's
-// conversions are dearer than that: measured slower so).
+// so three heads take a bf16 slice in two parts of R = 2 registers, the keys once for each
+// (int8's conversions are dearer than that: measured slower so).
 template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
                        const float* correction, State* const* st, Prefetcher* pf) {
-  if constexpr (NH == 3 && std::is_same_v<T, at::BFloat16>) {
-    for (int s = 0; s < D; s += 32) {
-      for (int half = 0; half < 2; ++half) {
-        __m256 acc[NH][2];
-        for (int h = 0; h < NH; ++h) {
-          const __m256 c = _mm256_set1_ps(correction[h]);
-          for (int i = 0; i < 2; ++i) {
-            const float* a = st[h]->acc + s + 8 * kHalfReg<T>(half, i);
-            acc[h][i] = _mm256_mul_ps(_mm256_loadu_ps(a), c);
-          }
-        }
-        for (int64_t t = 0; t < count; ++t) {
-          if (half == 0) pf->step();  // once a key and slice, as calls are counted
-          __m256 vv[2];
-          load_values8_half(vb + t * ts + s, half, vv);
-          float value_scale = 1.f;
-          if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
-          for (int h = 0; h < NH; ++h) {
-            float pt = prob[h * kScoreStride + t];
-            if constexpr (kInt8<T>) pt *= value_scale;
-            const __m256 p = _mm256_set1_ps(pt);
-            for (int i = 0; i < 2; ++i) acc[h][i] = _mm256_fmadd_ps(p, vv[i], acc[h][i]);
-          }
-        }
-        for (int h = 0; h < NH; ++h) {
-          for (int i = 0; i < 2; ++i) {
-            _mm256_storeu_ps(st[h]->acc + s + 8 * kHalfReg<T>(half, i), acc[h][i]);
-          }
-        }
-      }
-    }
-    return;
-  }
+  constexpr int R = NH == 3 && std::is_same_v<T, at::BFloat16> ? 2 : 4;
+  // part `part`'s register i: the slice's register reg(part, i)
+  const auto reg = [](int part, int i) { return R == 4 ? i : kHalfReg<T>(part, i); };
   for (int s = 0; s < D; s += 32) {
-    __m256 acc[NH][4];
-    for (int h = 0; h < NH; ++h) {
-      const __m256 c = _mm256_set1_ps(correction[h]);
-      for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_mul_ps(_mm256_loadu_ps(st[h]->acc + s + 8 * j), c);
-    }
-    for (int64_t t = 0; t < count; ++t) {
-      pf->step();
-      __m256 vv[4];
-      load_values8(vb + t * ts + s, vv);
-      float value_scale = 1.f;
-      if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
+    for (int part = 0; part < 4 / R; ++part) {
+      __m256 acc[NH][R];
       for (int h = 0; h < NH; ++h) {
-        float pt = prob[h * kScoreStride + t];
-        if constexpr (kInt8<T>) pt *= value_scale;
-        const __m256 p = _mm256_set1_ps(pt);
-        for (int j = 0; j < 4; ++j) acc[h][j] = _mm256_fmadd_ps(p, vv[j], acc[h][j]);
+        const __m256 c = _mm256_set1_ps(correction[h]);
+        for (int i = 0; i < R; ++i) {
+          acc[h][i] = _mm256_mul_ps(_mm256_loadu_ps(st[h]->acc + s + 8 * reg(part, i)), c);
+        }
       }
-    }
-    for (int h = 0; h < NH; ++h) {
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(st[h]->acc + s + 8 * j, acc[h][j]);
+      for (int64_t t = 0; t < count; ++t) {
+        if (part == 0) pf->step();  // once a key and slice, as its calls are counted
+        __m256 vv[R];
+        if constexpr (R == 4) {
+          load_values8(vb + t * ts + s, vv);
+        } else {
+          load_values8_half(vb + t * ts + s, part, vv);
+        }
+        float value_scale = 1.f;
+        if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
+        for (int h = 0; h < NH; ++h) {
+          float pt = prob[h * kScoreStride + t];
+          if constexpr (kInt8<T>) pt *= value_scale;
+          const __m256 p = _mm256_set1_ps(pt);
+          for (int i = 0; i < R; ++i) acc[h][i] = _mm256_fmadd_ps(p, vv[i], acc[h][i]);
+        }
+      }
+      for (int h = 0; h < NH; ++h) {
+        for (int i = 0; i < R; ++i) _mm256_storeu_ps(st[h]->acc + s + 8 * reg(part, i), acc[h][i]);
+      }
     }
   }
 }

@@ -36,6 +36,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "scratch.h"
 
 namespace agentx {
 namespace {
@@ -966,11 +967,11 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
   }
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  std::vector<float> rounded;
+  ScratchFrame scratch;
   if constexpr (std::is_same_v<T, at::BFloat16>) {  // scores take the query rounded to bf16
-    rounded.resize(rows * heads * head_dim);
-    round_to_bf16(q, rows * heads * head_dim, rounded.data());
-    q = rounded.data();
+    float* rounded = scratch.take<float>(rows * heads * head_dim);
+    round_to_bf16(q, rows * heads * head_dim, rounded);
+    q = rounded;
   }
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());

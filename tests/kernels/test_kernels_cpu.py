@@ -237,6 +237,29 @@ def test_prefill_rows_equal_the_same_rows_alone(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 256), (12, 2, 128)])
+def test_tile_rows_in_pairs_equal_rows_alone(dtype, heads, kv_heads, head_dim):
+    # AVX2 takes a bf16 tile's rows two at a time (three heads a pass: groups of 3, 4 = 3 + 1
+    # and 6 = 3 + 3), a row with one key more than its partner finishing alone; a 13-row chunk
+    # makes tiles of 8 and 5 rows (the last row without a partner) and ends mid-chunk, so the
+    # rows of a pair differ in keys. Every row equals the same row decoded alone, bit for bit.
+    gen = torch.Generator().manual_seed(head_dim)
+    cache = _random_cache(14, 16, kv_heads, head_dim, dtype, 0, gen)
+    table = (torch.randperm(13, generator=gen)[:12] + 1).view(1, -1)
+    q = torch.randn(13, heads, head_dim, generator=gen)
+    no_decodes = torch.tensor([], dtype=torch.long)
+    chunk = (q, cache, [0, 13], [185], table, no_decodes, [0], head_dim**-0.5, None)
+    got = cpu.paged_attention(*chunk)
+    torch.testing.assert_close(got, _want(q, cache, *chunk[2:]), rtol=1e-5, atol=2e-5)
+    for r in range(13):
+        alone = cpu.paged_attention(
+            q[r : r + 1], cache, [0, 1], [173 + r], table, torch.tensor([0]), [], head_dim**-0.5
+        )
+        assert torch.equal(alone[0], got[r])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,window", [(8, None), (32, None), (128, None), (8, 37)])
 def test_chunks_across_blocks_equal_rows_alone(dtype, block_size, window):
     # The softmax folds 64-key chunks: with 8-token blocks a chunk is 8 segments in shuffled

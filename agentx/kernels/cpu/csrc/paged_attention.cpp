@@ -171,29 +171,49 @@ struct Prefetcher {
   int64_t block_bytes = 0;  // one block's K and V, contiguous
   int64_t stride_bytes = 0;  // block to block in the pool
   const int64_t* table = nullptr;
-  int64_t next = 0;  // the block being fetched
-  int64_t offset = 0;  // bytes of it already asked for
-  int64_t limit = 0;  // fetch blocks below this
+  int64_t next = 0;  // the next block to start
+  int64_t limit = 0;  // start blocks below this
+  const char* line = nullptr;  // the next line of the block under way
+  const char* end = nullptr;  // that block's end (line >= end: none under way)
   int64_t want = 0;
 
+  // lines not yet asked for below limit
+  int64_t pending() const {
+    return ((limit > next ? (limit - next) * block_bytes : 0) + std::max<int64_t>(end - line, 0) +
+            63) / 64;
+  }
+  // (value loops call it through a PrefetchCursor, below)
   inline void step() {
-    for (int64_t i = 0; i < want && next < limit; ++i) {
-      _mm_prefetch(cache + table[next] * stride_bytes + offset, _MM_HINT_T1);
-      offset += 64;
-      if (offset >= block_bytes) {
-        offset = 0;
-        ++next;
+    const char* l = line;
+    const char* e = end;
+    for (int64_t i = 0; i < want; ++i) {
+      if (l >= e) {
+        if (next >= limit) break;
+        l = cache + table[next++] * stride_bytes;
+        e = l + block_bytes;
       }
+      _mm_prefetch(l, _MM_HINT_T1);
+      l += 64;
     }
+    line = l;
+    end = e;
   }
   inline void finish() {  // whatever the loops did not get to
-    while (next < limit) {
-      const int64_t w = want;
-      want = block_bytes;
-      step();
-      want = w;
-    }
+    const int64_t w = want;
+    want = pending();
+    step();
+    want = w;
   }
+};
+
+// A loop's own copy of a Prefetcher (its fields then live in registers, not reloaded around
+// every prefetch), written back when the loop is done.
+struct PrefetchCursor {
+  explicit PrefetchCursor(Prefetcher* p) : pf(p), local(*p) {}
+  ~PrefetchCursor() { *pf = local; }
+  inline void step() { local.step(); }
+  Prefetcher* pf;
+  Prefetcher local;
 };
 
 constexpr int kMaxBlock = 256;
@@ -250,6 +270,7 @@ template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
                        const float* correction, State* const* st, Prefetcher* pf) {
   constexpr int R = NH == 3 && std::is_same_v<T, at::BFloat16> ? 2 : 4;
+  PrefetchCursor fetch(pf);
   // part `part`'s register i: the slice's register reg(part, i)
   const auto reg = [](int part, int i) { return R == 4 ? i : kHalfReg<T>(part, i); };
   for (int s = 0; s < D; s += 32) {
@@ -262,7 +283,7 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
         }
       }
       for (int64_t t = 0; t < count; ++t) {
-        if (part == 0) pf->step();  // once a key and slice, as its calls are counted
+        if (part == 0) fetch.step();  // once a key and slice, as its calls are counted
         __m256 vv[R];
         if constexpr (R == 4) {
           load_values8(vb + t * ts + s, vv);
@@ -374,6 +395,7 @@ template <typename T, int D, int NH>
 AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t count, int64_t ts,
                                      const float* correction, State* const* st, Prefetcher* pf) {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
+  PrefetchCursor fetch(pf);
   for (int s = 0; s < D; s += 64) {
     __m512 acc[NH][4];
     for (int h = 0; h < NH; ++h) {
@@ -383,7 +405,7 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
       }
     }
     for (int64_t t = 0; t < count; ++t) {
-      pf->step();
+      fetch.step();
       __m512 vv[4];
       load_values16(vb + t * ts + s, vv);
       float value_scale = 1.f;
@@ -695,18 +717,21 @@ inline float softmax_chunk(float* sc, int64_t count, State* st) {
     _mm256_store_ps(sc + t, e);
     sum = _mm256_add_ps(sum, count - t >= 8 ? e : _mm256_and_ps(e, tail_mask(count - t)));
   }
-  st->denom = st->denom * correction + hsum(sum);
+  // rounded product, then the add: kept from fusing into one FMA (which GCC does or not
+  // depending on where this is inlined, so the bits would follow the inliner)
+  float scaled = st->denom * correction;
+  asm("" : "+x"(scaled));
+  st->denom = scaled + hsum(sum);
   st->max = new_max;
   return correction;
 }
 
-// The first `count` keys of one chunk (its segments in order) for NH heads of one row: the
-// online softmax update. Scores are per key, so they are computed segment by segment; the
-// value sums run one FMA chain over the chunk's keys in order, later segments continuing it
-// (their correction is 1, exact).
+// The scores of the first `count` keys of one chunk (its segments in order) for NH heads of one
+// row, then each head's online softmax step: score[h] holds the exps, correction[h] the factor
+// its earlier value sums take.
 template <typename T, int D, int NH, bool Wide>
-inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
-                       float scale, float* score, State* const* st, Prefetcher* pf) {
+inline void chunk_softmax(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
+                          float scale, float* score, State* const* st, float* correction) {
   for (int64_t off = 0, s = 0; off < count; ++s) {
     const int64_t n = std::min(segs[s].count, count - off);
     if constexpr (std::is_same_v<T, at::BFloat16>) {
@@ -722,10 +747,20 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
     }
     off += n;
   }
-  float correction[NH];
   for (int h = 0; h < NH; ++h) {
     correction[h] = softmax_chunk<Wide>(score + h * kScoreStride, count, st[h]);
   }
+}
+
+// The first `count` keys of one chunk (its segments in order) for NH heads of one row: the
+// online softmax update. Scores are per key, so they are computed segment by segment; the
+// value sums run one FMA chain over the chunk's keys in order, later segments continuing it
+// (their correction is 1, exact).
+template <typename T, int D, int NH, bool Wide>
+inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
+                       float scale, float* score, State* const* st, Prefetcher* pf) {
+  float correction[NH];
+  chunk_softmax<T, D, NH, Wide>(q, segs, count, ts, scale, score, st, correction);
   float ones[NH];
   for (int h = 0; h < NH; ++h) ones[h] = 1.f;
   for (int64_t off = 0, s = 0; off < count; ++s) {
@@ -737,6 +772,94 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
       row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
     }
     off += n;
+  }
+}
+
+// Three heads of two rows over bf16 values, AVX2: row_values for both at once, each row's sums
+// the same FMA chains (keys in order; the row with more keys, n0 or n1, takes its last ones
+// alone). One row's six accumulators would leave each FMA waiting on its own chain's previous
+// one (a chain per key); two rows' twelve keep both FMA units busy and share each V load.
+template <int D>
+inline void pair_values(const float* const* prob, const at::BFloat16* vb, const int64_t* n,
+                        int64_t ts, const float* const* correction, State* const* const* st,
+                        Prefetcher* pf) {
+  constexpr int NH = 3;
+  PrefetchCursor fetch(pf);
+  const int64_t both = std::min(n[0], n[1]), longer = n[1] > n[0] ? 1 : 0;
+  for (int s = 0; s < D; s += 32) {
+    for (int part = 0; part < 2; ++part) {
+      const auto reg = [part](int i) { return kHalfReg<at::BFloat16>(part, i); };
+      __m256 acc[2][NH][2];
+      for (int r = 0; r < 2; ++r) {
+        for (int h = 0; h < NH; ++h) {
+          const __m256 c = _mm256_set1_ps(correction[r][h]);
+          for (int i = 0; i < 2; ++i) {
+            acc[r][h][i] = _mm256_mul_ps(_mm256_loadu_ps(st[r][h]->acc + s + 8 * reg(i)), c);
+          }
+        }
+      }
+      int64_t t = 0;
+      for (; t < both; ++t) {
+        if (part == 0) fetch.step();  // once a key and slice, as row_values does
+        __m256 vv[2];
+        load_values8_half(vb + t * ts + s, part, vv);
+        for (int r = 0; r < 2; ++r) {
+          for (int h = 0; h < NH; ++h) {
+            const __m256 p = _mm256_set1_ps(prob[r][h * kScoreStride + t]);
+            for (int i = 0; i < 2; ++i) acc[r][h][i] = _mm256_fmadd_ps(p, vv[i], acc[r][h][i]);
+          }
+        }
+      }
+      const auto tail = [&](auto row) {
+        constexpr int r = decltype(row)::value;
+        for (int64_t u = t; u < n[r]; ++u) {
+          if (part == 0) fetch.step();
+          __m256 vv[2];
+          load_values8_half(vb + u * ts + s, part, vv);
+          for (int h = 0; h < NH; ++h) {
+            const __m256 p = _mm256_set1_ps(prob[r][h * kScoreStride + u]);
+            for (int i = 0; i < 2; ++i) acc[r][h][i] = _mm256_fmadd_ps(p, vv[i], acc[r][h][i]);
+          }
+        }
+      };
+      if (longer == 1) {
+        tail(std::integral_constant<int, 1>{});
+      } else {
+        tail(std::integral_constant<int, 0>{});
+      }
+      for (int r = 0; r < 2; ++r) {
+        for (int h = 0; h < NH; ++h) {
+          for (int i = 0; i < 2; ++i) {
+            _mm256_storeu_ps(st[r][h]->acc + s + 8 * reg(i), acc[r][h][i]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// fold_chunk for three heads of two rows of a tile (counts[r] keys each, > 0) over bf16, AVX2:
+// each row's scores and softmax as fold_chunk takes them, then their value sums together
+// (pair_values): every row's arithmetic as fold_chunk's.
+template <int D>
+inline void fold_chunk_pair(const float* const* q, const Segment<at::BFloat16>* segs,
+                            const int64_t* counts, int64_t ts, float scale, float* const* score,
+                            State* const* const* st, Prefetcher* pf) {
+  constexpr int NH = 3;
+  float correction[2][NH];
+  for (int r = 0; r < 2; ++r) {
+    chunk_softmax<at::BFloat16, D, NH, false>(q[r], segs, counts[r], ts, scale, score[r], st[r],
+                                              correction[r]);
+  }
+  const float ones[NH] = {1.f, 1.f, 1.f};
+  const int64_t count = std::max(counts[0], counts[1]);
+  for (int64_t off = 0, s = 0; off < count; ++s) {
+    int64_t n[2];
+    for (int r = 0; r < 2; ++r) n[r] = std::clamp<int64_t>(counts[r] - off, 0, segs[s].count);
+    const float* c[2] = {off == 0 ? correction[0] : ones, off == 0 ? correction[1] : ones};
+    const float* p[2] = {score[0] + off, score[1] + off};
+    pair_values<D>(p, segs[s].v, n, ts, c, st, pf);
+    off += segs[s].count;
   }
 }
 
@@ -777,6 +900,41 @@ inline void fold_heads(const float* q, const Segment<T>* segs, int64_t count, in
   }
 }
 
+// fold_heads for two rows of a tile (bf16, AVX2): passes of three heads take fold_chunk_pair,
+// the rest each row alone.
+template <int D>
+inline void fold_heads_pair(const float* const* q, const Segment<at::BFloat16>* segs,
+                            const int64_t* counts, int64_t ts, float scale, float* const* score,
+                            State* const* st, int64_t group, Prefetcher* pf) {
+  using T = at::BFloat16;
+  for (int64_t g = 0; g < group;) {
+    const int64_t nh = std::min<int64_t>(3, group - g);
+    if (nh == 3) {
+      State* ptrs[2][3];
+      for (int r = 0; r < 2; ++r) {
+        for (int h = 0; h < 3; ++h) ptrs[r][h] = st[r] + g + h;
+      }
+      const float* qg[2] = {q[0] + g * D, q[1] + g * D};
+      State* const* rows[2] = {ptrs[0], ptrs[1]};
+      fold_chunk_pair<D>(qg, segs, counts, ts, scale, score, rows, pf);
+    } else {  // the prefetches from the second row's calls only, as fold_heads counts them
+      Prefetcher none;
+      for (int r = 0; r < 2; ++r) {
+        State* ptrs[2] = {st[r] + g, st[r] + g + 1};
+        Prefetcher* fetch = r == 1 ? pf : &none;
+        if (nh == 2) {
+          fold_chunk<T, D, 2, false>(q[r] + g * D, segs, counts[r], ts, scale, score[r], ptrs,
+                                     fetch);
+        } else {
+          fold_chunk<T, D, 1, false>(q[r] + g * D, segs, counts[r], ts, scale, score[r], ptrs,
+                                     fetch);
+        }
+      }
+    }
+    g += nh;
+  }
+}
+
 // Keys a chunk: the online softmax folds this many keys at a time (chunks are aligned to
 // multiples of it from key 0 and span several blocks when blocks are smaller), so its
 // per-chunk work (max, exps, rescaling) is paid once per 64 keys, not once per block.
@@ -800,10 +958,13 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
                  int64_t block_size, int64_t num_kv_heads, int64_t group, float scale,
                  State* states) {
   alignas(32) float score[kHeadsAPass<Wide> * kScoreStride];
+  // two rows of a tile at a time where pair_values applies (bf16, AVX2)
+  constexpr bool kPairs = !Wide && std::is_same_v<T, at::BFloat16>;
+  alignas(32) float score_pair[kPairs ? 3 * kScoreStride : 1];
   const int64_t chunk = std::max(kChunkTokens, block_size);
   const int64_t row = D + kRowExtra<T>;  // one (token, KV head) row
   const int64_t token_stride = num_kv_heads * row, heads = num_kv_heads * group;
-  constexpr bool kPaired = std::is_same_v<T, at::BFloat16>;
+  constexpr bool kPaired = std::is_same_v<T, at::BFloat16>;  // bf16's paired order
   std::optional<FlushDenormals> flush;  // bf16: the float steps VDPBF16PS takes, on any CPU
   if constexpr (kPaired) {  // the tile's queries rounded to bf16: in paired order, or as bf16
     flush.emplace();
@@ -845,7 +1006,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
     {
       // spread this chunk's share over the last row's value loops (keys x heads calls; the
       // other rows of a tile read the same chunk, already on its way, and fetch nothing)
-      const int64_t lines = ((ahead - pf.next) * pf.block_bytes - pf.offset + 63) / 64;
+      const int64_t lines = pf.pending();
       int64_t calls = std::min(end, ends[tile_rows - 1]) - start;
       const int64_t passes =
           Wide && group >= 6 ? group / 6 + (group % 6 + 2) / 3 : (group + 2) / 3;
@@ -863,14 +1024,29 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
     // dim 64) stay in L1 for the tile's rows; all heads' would not
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       head_segments<T>(segs, nsegs, h * row, head_segs);
-      for (int64_t r = 0; r < tile_rows; ++r) {
+      for (int64_t r = 0; r < tile_rows;) {
         const int64_t count = std::min(end, ends[r]) - start;
-        if (count <= 0) continue;
         const float* qh = q + r * q_row_stride + h * group * D;
         State* st = states + r * heads + h * group;
-        Prefetcher* fetch = r == tile_rows - 1 ? &pf : &idle;
-        fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group,
+        if constexpr (kPairs) {  // rows ends[] apart by one: counts > 0 from the first on
+          if (count > 0 && r + 1 < tile_rows) {
+            const int64_t counts[2] = {count, std::min(end, ends[r + 1]) - start};
+            const float* qs[2] = {qh, qh + q_row_stride};
+            float* scores[2] = {score, score_pair};
+            State* sts[2] = {st, st + heads};
+            Prefetcher* fetch = r + 1 == tile_rows - 1 ? &pf : &idle;
+            fold_heads_pair<D>(qs, head_segs, counts, token_stride, scale, scores, sts, group,
                                fetch);
+            r += 2;
+            continue;
+          }
+        }
+        if (count > 0) {
+          Prefetcher* fetch = r == tile_rows - 1 ? &pf : &idle;
+          fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group,
+                                 fetch);
+        }
+        ++r;
       }
     }
     start = end;

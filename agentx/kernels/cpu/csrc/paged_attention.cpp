@@ -171,49 +171,29 @@ struct Prefetcher {
   int64_t block_bytes = 0;  // one block's K and V, contiguous
   int64_t stride_bytes = 0;  // block to block in the pool
   const int64_t* table = nullptr;
-  int64_t next = 0;  // the next block to start
-  int64_t limit = 0;  // start blocks below this
-  const char* line = nullptr;  // the next line of the block under way
-  const char* end = nullptr;  // that block's end (line >= end: none under way)
+  int64_t next = 0;  // the block being fetched
+  int64_t offset = 0;  // bytes of it already asked for
+  int64_t limit = 0;  // fetch blocks below this
   int64_t want = 0;
 
-  // lines not yet asked for below limit
-  int64_t pending() const {
-    return ((limit > next ? (limit - next) * block_bytes : 0) + std::max<int64_t>(end - line, 0) +
-            63) / 64;
-  }
-  // (value loops call it through a PrefetchCursor, below)
   inline void step() {
-    const char* l = line;
-    const char* e = end;
-    for (int64_t i = 0; i < want; ++i) {
-      if (l >= e) {
-        if (next >= limit) break;
-        l = cache + table[next++] * stride_bytes;
-        e = l + block_bytes;
+    for (int64_t i = 0; i < want && next < limit; ++i) {
+      _mm_prefetch(cache + table[next] * stride_bytes + offset, _MM_HINT_T1);
+      offset += 64;
+      if (offset >= block_bytes) {
+        offset = 0;
+        ++next;
       }
-      _mm_prefetch(l, _MM_HINT_T1);
-      l += 64;
     }
-    line = l;
-    end = e;
   }
   inline void finish() {  // whatever the loops did not get to
-    const int64_t w = want;
-    want = pending();
-    step();
-    want = w;
+    while (next < limit) {
+      const int64_t w = want;
+      want = block_bytes;
+      step();
+      want = w;
+    }
   }
-};
-
-// A loop's own copy of a Prefetcher (its fields then live in registers, not reloaded around
-// every prefetch), written back when the loop is done.
-struct PrefetchCursor {
-  explicit PrefetchCursor(Prefetcher* p) : pf(p), local(*p) {}
-  ~PrefetchCursor() { *pf = local; }
-  inline void step() { local.step(); }
-  Prefetcher* pf;
-  Prefetcher local;
 };
 
 constexpr int kMaxBlock = 256;
@@ -270,7 +250,6 @@ template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
                        const float* correction, State* const* st, Prefetcher* pf) {
   constexpr int R = NH == 3 && std::is_same_v<T, at::BFloat16> ? 2 : 4;
-  PrefetchCursor fetch(pf);
   // part `part`'s register i: the slice's register reg(part, i)
   const auto reg = [](int part, int i) { return R == 4 ? i : kHalfReg<T>(part, i); };
   for (int s = 0; s < D; s += 32) {
@@ -283,7 +262,7 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
         }
       }
       for (int64_t t = 0; t < count; ++t) {
-        if (part == 0) fetch.step();  // once a key and slice, as its calls are counted
+        if (part == 0) pf->step();  // once a key and slice, as its calls are counted
         __m256 vv[R];
         if constexpr (R == 4) {
           load_values8(vb + t * ts + s, vv);
@@ -395,7 +374,6 @@ template <typename T, int D, int NH>
 AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t count, int64_t ts,
                                      const float* correction, State* const* st, Prefetcher* pf) {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
-  PrefetchCursor fetch(pf);
   for (int s = 0; s < D; s += 64) {
     __m512 acc[NH][4];
     for (int h = 0; h < NH; ++h) {
@@ -405,7 +383,7 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
       }
     }
     for (int64_t t = 0; t < count; ++t) {
-      fetch.step();
+      pf->step();
       __m512 vv[4];
       load_values16(vb + t * ts + s, vv);
       float value_scale = 1.f;
@@ -784,7 +762,6 @@ inline void pair_values(const float* const* prob, const at::BFloat16* vb, const 
                         int64_t ts, const float* const* correction, State* const* const* st,
                         Prefetcher* pf) {
   constexpr int NH = 3;
-  PrefetchCursor fetch(pf);
   const int64_t both = std::min(n[0], n[1]), longer = n[1] > n[0] ? 1 : 0;
   for (int s = 0; s < D; s += 32) {
     for (int part = 0; part < 2; ++part) {
@@ -800,7 +777,7 @@ inline void pair_values(const float* const* prob, const at::BFloat16* vb, const 
       }
       int64_t t = 0;
       for (; t < both; ++t) {
-        if (part == 0) fetch.step();  // once a key and slice, as row_values does
+        if (part == 0) pf->step();  // once a key and slice, as row_values does
         __m256 vv[2];
         load_values8_half(vb + t * ts + s, part, vv);
         for (int r = 0; r < 2; ++r) {
@@ -813,7 +790,7 @@ inline void pair_values(const float* const* prob, const at::BFloat16* vb, const 
       const auto tail = [&](auto row) {
         constexpr int r = decltype(row)::value;
         for (int64_t u = t; u < n[r]; ++u) {
-          if (part == 0) fetch.step();
+          if (part == 0) pf->step();
           __m256 vv[2];
           load_values8_half(vb + u * ts + s, part, vv);
           for (int h = 0; h < NH; ++h) {
@@ -1006,7 +983,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
     {
       // spread this chunk's share over the last row's value loops (keys x heads calls; the
       // other rows of a tile read the same chunk, already on its way, and fetch nothing)
-      const int64_t lines = pf.pending();
+      const int64_t lines = ((ahead - pf.next) * pf.block_bytes - pf.offset + 63) / 64;
       int64_t calls = std::min(end, ends[tile_rows - 1]) - start;
       const int64_t passes =
           Wide && group >= 6 ? group / 6 + (group % 6 + 2) / 3 : (group + 2) / 3;

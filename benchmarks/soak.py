@@ -396,10 +396,11 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         gc.collect()  # abandoned sessions release their KV when collected
+        pending = engine.has_pending_controls()  # before the stats: they then show it applied
         stats = engine.stats()
         idle = stats.num_running == stats.num_waiting == 0 and not engine.get_num_live_requests()
         clean = stats.kv_num_held == stats.kv_num_used_blocks == 0  # else: wait, then report
-        if idle and clean and not engine._controls and not engine._orphans:
+        if idle and clean and not pending:
             return
         time.sleep(0.05)
 

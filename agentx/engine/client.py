@@ -56,6 +56,7 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
         self.max_model_len = self.core.max_model_len
         self._controls: list[Callable[[EngineCore], object]] = []  # run by the loop, in order
         self._orphans: deque[str] = deque()  # held KV to release, queued without a lock
+        self._num_applying = 0  # controls the loop took and has not applied yet (under _cond)
         self._warmed_up = threading.Event()  # set when the loop's warm-up ended (or failed)
         self._preparer = threading.Thread(target=self._prepare, name="agentx-prepare", daemon=True)
         self._preparer.start()
@@ -149,6 +150,14 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
         """Like ``pin_held``, without waiting: the loop applies it before its next step."""
         self._control(lambda core: core.pin_held(handle, pinned))
 
+    def has_pending_controls(self) -> bool:
+        """Whether a release, pin or other control queued so far is still unapplied. When it
+        is False, every control queued before the call has taken effect: a ``stats()`` taken
+        after it shows them (the loop takes queued controls off the queue before its step
+        lock, so an empty queue alone does not say they were applied)."""
+        with self._cond:
+            return bool(self._controls or self._orphans or self._num_applying)
+
     def _control(self, op: Callable[[EngineCore], object]) -> None:
         with self._cond:
             if not self._closed:
@@ -229,21 +238,27 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
     def _take_controls(self) -> list[Callable[[EngineCore], object]]:
         with self._cond:
             controls, self._controls = self._controls, []
-        while self._orphans:
-            handle = self._orphans.popleft()
-            controls.append(lambda core, handle=handle: core.release_held(handle))
+            while self._orphans:
+                handle = self._orphans.popleft()
+                controls.append(lambda core, handle=handle: core.release_held(handle))
+            self._num_applying = len(controls)
         return controls
 
     def _step(self, new: list[tuple[Request, RequestStream]], aborts: list[str]) -> None:
         controls = self._take_controls()
-        with self._step_lock:
-            for request, _ in new:
-                self.core.add_request(request)
-            outputs = self.core.abort_requests(aborts)
-            for op in controls:
-                op(self.core)
-            outputs += self.core.step()
-            idle = self.core.is_idle
+        try:
+            with self._step_lock:
+                for request, _ in new:
+                    self.core.add_request(request)
+                outputs = self.core.abort_requests(aborts)
+                for op in controls:
+                    op(self.core)
+                outputs += self.core.step()
+                idle = self.core.is_idle
+        finally:
+            if controls:
+                with self._cond:
+                    self._num_applying = 0
         self._dispatch(outputs)
         if idle:  # waiting on a transfer or a tool's return: never with the step lock held
             self.core.offload.idle_wait()

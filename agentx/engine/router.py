@@ -423,6 +423,10 @@ class ReplicaRouter(EngineBackend):
         if engine is not None:
             engine.pin_held_soon(handle, pinned)
 
+    def has_pending_controls(self) -> bool:
+        """Whether a replica still has a queued release or pin unapplied."""
+        return any(e.has_pending_controls() for e in self.replicas if not e.is_dead)
+
     def stats(self) -> EngineStats:
         """The replicas' counters summed (``kv_usage``: their mean)."""
         per = [engine.stats() for engine in self.replicas if not engine.is_dead]

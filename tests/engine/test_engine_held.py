@@ -1,6 +1,8 @@
 """Held KV through the real engine: the next turn and each fork compute only their new
 tokens, and greedy output equals a cold run without any cache."""
 
+import time
+
 import pytest
 
 from agentx import CacheConfig, KVExport, SamplingParams
@@ -93,3 +95,28 @@ def test_the_old_held_kv_names_still_work_and_warn(make_engine, cold):
         engine.add_request(p1, GREEDY, retain=True)
     engine.check_integrity()
     assert engine.stats().kv_num_held == 0 and engine.stats().kv_num_used_blocks == 0
+
+
+def test_a_queued_release_is_pending_until_the_loop_applied_it(make_engine):
+    """``has_pending_controls()`` stays True from the moment the loop takes a queued release
+    off the queue until it applied it: CI's OpenAI tests read stats in that gap (the queue
+    already empty, the KV still held) and reported a leak that was not one."""
+    engine = make_engine()
+    stream = engine.add_request(engine.tokenizer.encode("One, two,"), GREEDY, hold_kv=True)
+    stream.result(timeout=120)
+    assert not engine.has_pending_controls()
+    with engine._step_lock:  # the loop can take the queue, not apply it
+        engine.release_held_soon(stream.request_id)
+        deadline = time.monotonic() + 30
+        while engine._controls:  # the loop took it and now waits for the step lock
+            assert time.monotonic() < deadline, "the loop never took the release"
+            time.sleep(0.005)
+        assert engine.has_pending_controls()
+        assert engine.core.get_stats().kv_num_held == 1  # taken, not applied
+    deadline = time.monotonic() + 30
+    while engine.has_pending_controls():
+        assert time.monotonic() < deadline, "the release was never applied"
+        time.sleep(0.005)
+    stats = engine.stats()
+    assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+    engine.check_integrity()

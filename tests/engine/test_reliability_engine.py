@@ -51,7 +51,7 @@ def wait_for(predicate, timeout=30.0):
 
 def assert_idle(engine):
     """No request, no held KV, every block free: what each test leaves behind."""
-    wait_for(lambda: not engine._controls and engine.get_num_live_requests() == 0)
+    wait_for(lambda: not engine.has_pending_controls() and engine.get_num_live_requests() == 0)
     engine.check_integrity()
     stats = engine.stats()
     assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0

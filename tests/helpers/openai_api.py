@@ -1,6 +1,8 @@
 """Shared by the agentx.openai tests: a tool, a schema, and waiting for the engine loop."""
 
-import time
+from tests.helpers.idle import wait_idle
+
+__all__ = ["wait_idle"]  # the openai tests import it from here
 
 ADD_TOOL = {
     "type": "function",
@@ -46,18 +48,6 @@ CHAT_QUESTIONS = [
     "Name a sport.",
     "Name a tree.",
 ]
-
-
-def wait_idle(engine, timeout=20.0):
-    """Wait until the loop thread has ended every request and run the releases queued."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.stats()
-        live = engine.get_num_live_requests()
-        if stats.num_running == stats.num_waiting == live == 0 and not engine._controls:
-            return stats
-        time.sleep(0.02)
-    raise AssertionError("engine did not go idle")
 
 
 def reply_message(completion, index=0):

@@ -24,23 +24,12 @@ from agentx.engine.structured import GrammarMatcher, StructuredOutput
 from agentx.session.messages import ToolCall
 from agentx.session.tool_exec import execute_call
 from agentx.session.tools import Tool
+from tests.helpers.idle import wait_idle
 
 pytestmark = pytest.mark.slow
 
 SHORT = SamplingParams(max_tokens=8)
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
-
-
-def wait_idle(engine, timeout=20.0):
-    """Wait until the loop has applied every abort and queued release; the stats then."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.stats()
-        idle = stats.num_running == 0 and stats.num_waiting == 0
-        if idle and not engine._controls and not engine._orphans:
-            return stats
-        time.sleep(0.02)
-    raise AssertionError("engine did not go idle")
 
 
 async def wait_finished(stream, timeout=20.0):

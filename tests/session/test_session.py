@@ -1,8 +1,6 @@
 """The Session API end to end on the real default model: turns extend held KV, forks compute
 only their new tokens, streamed tool results, tools, cancellation, errors, hints."""
 
-import time
-
 import anyio
 import pytest
 
@@ -17,6 +15,7 @@ from agentx import (
     UnknownToolCallError,
 )
 from agentx.session.default import get_default_engine
+from tests.helpers.idle import wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +25,6 @@ SHORT = SamplingParams(max_tokens=12)
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b
-
-
-def wait_idle(engine, timeout=20.0):
-    """Wait until the loop thread has processed aborts and queued releases."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and not engine._controls:
-            return stats
-        time.sleep(0.02)
-    raise AssertionError("engine did not go idle")
 
 
 def prompt_ids(session):

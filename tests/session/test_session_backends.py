@@ -7,7 +7,6 @@ sent would hit that test's cached blocks (a longer hit than the held turn's)."""
 
 import contextlib
 import importlib.util
-import time
 
 import anyio
 import pytest
@@ -26,23 +25,12 @@ from agentx import (
     VLLMEngine,
 )
 from agentx.engine.backend import EngineBackend
+from tests.helpers.idle import wait_idle
 from tests.helpers.tools import TOOL_PROMPTS, City, add, ship, tag
 
 pytestmark = pytest.mark.slow
 
 SHORT = SamplingParams(max_tokens=12)
-
-
-def wait_idle(engine, timeout=30.0):
-    """Wait until the loop has applied aborts and queued releases."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.stats()
-        busy = stats.num_running or stats.num_waiting or getattr(engine, "_controls", None)
-        if not busy and engine.get_num_live_requests() == 0:
-            return stats
-        time.sleep(0.02)
-    raise AssertionError("engine did not go idle")
 
 
 def hit(engine, num_tokens: int) -> int:

@@ -13,7 +13,6 @@ request, holds no KV but the service's held conversations (none once they are cl
 
 import json
 import math
-import time
 from dataclasses import dataclass
 
 import anyio
@@ -322,7 +321,7 @@ def served(make_engine_module):
     service = ChatService(engine, default_max_tokens=4)
     yield engine, service, create_app(service)
     service.conversations.clear()
-    assert released(engine)
+    assert wait_idle(engine).kv_num_held == 0
     engine.check_integrity()
 
 
@@ -375,19 +374,8 @@ def assert_clean(engine, service) -> None:
     stats = wait_idle(engine)
     assert stats.kv_num_held == len(service.conversations.get_handles())
     service.conversations.clear()
-    assert released(engine)
+    assert wait_idle(engine).kv_num_held == 0  # the releases applied (has_pending_controls)
     engine.check_integrity()
-
-
-def released(engine, timeout: float = 20.0) -> bool:
-    """Every held KV released. Polled: ``wait_idle`` may read the stats just before the
-    loop applies a release it already took off its queue."""
-    deadline = time.monotonic() + timeout
-    while wait_idle(engine).kv_num_held:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def check(served, route: str, body: object) -> None:

@@ -248,7 +248,8 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
 // Three heads' 12 accumulators, a bf16 slice's 4 registers and a broadcast need 17 of AVX2's 16
 // registers (one accumulator would then live in memory, its chain waiting on a store each key),
 // so three heads take a bf16 slice in two parts of R = 2 registers, the keys once for each
-// (int8's conversions are dearer than that: measured slower so).
+// (int8's conversions are dearer than that: measured slower so). One bf16 row's three heads
+// take row_values_bf16x3 instead (below), a tile's pairs of rows pair_values.
 template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
                        const float* correction, State* const* st, Prefetcher* pf) {
@@ -284,6 +285,47 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
       for (int h = 0; h < NH; ++h) {
         for (int i = 0; i < R; ++i) _mm256_storeu_ps(st[h]->acc + s + 8 * reg(part, i), acc[h][i]);
       }
+    }
+  }
+}
+
+// row_values for three heads of one row over bf16 values, AVX2: a slice's four registers at
+// once, so twelve accumulators run twelve independent FMA chains (row_values' two parts of six
+// leave each FMA waiting on its own chain's previous one, a chain per key). The registers are
+// exactly 16: twelve accumulators, the key's three probabilities and one value register, read
+// again from memory for each of the four (the odd dims by two shifts: no mask register). The
+// empty asm keeps GCC from merging those reads into one register that would not fit. Per
+// element the FMA chain runs t = 0, 1, ...: row_values' bits.
+template <int D>
+inline void row_values_bf16x3(const float* prob, const at::BFloat16* vb, int64_t count,
+                              int64_t ts, const float* correction, State* const* st,
+                              Prefetcher* pf) {
+  constexpr int NH = 3;
+  for (int s = 0; s < D; s += 32) {
+    __m256 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      const __m256 c = _mm256_set1_ps(correction[h]);
+      for (int i = 0; i < 4; ++i) {
+        acc[h][i] = _mm256_mul_ps(_mm256_loadu_ps(st[h]->acc + s + 8 * i), c);
+      }
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      pf->step();  // once a key and slice, as row_values' calls are counted
+      const at::BFloat16* v = vb + t * ts + s;
+      __m256 p[NH];
+      for (int h = 0; h < NH; ++h) p[h] = _mm256_set1_ps(prob[h * kScoreStride + t]);
+      // load_values8's registers: 0 and 1 the even dims of v[0..15] and v[16..31], 2 and 3
+      // their odd dims
+      for (int i = 0; i < 4; ++i) {
+        const __m256i x = load_pairs8(v + 16 * (i & 1));
+        const __m256 vv =
+            i < 2 ? even8(x) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(x, 16), 16));
+        for (int h = 0; h < NH; ++h) acc[h][i] = _mm256_fmadd_ps(p[h], vv, acc[h][i]);
+        asm volatile("" ::: "memory");
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(st[h]->acc + s + 8 * i, acc[h][i]);
     }
   }
 }
@@ -755,7 +797,11 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
     if constexpr (Wide) {
       row_values_avx512<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
     } else {
-      row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
+      if constexpr (std::is_same_v<T, at::BFloat16> && NH == 3) {
+        row_values_bf16x3<D>(score + off, segs[s].v, n, ts, c, st, pf);
+      } else {
+        row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
+      }
     }
     off += n;
   }

@@ -105,7 +105,9 @@ def test_a_queued_release_is_pending_until_the_loop_applied_it(make_engine):
     stream = engine.add_request(engine.tokenizer.encode("One, two,"), GREEDY, hold_kv=True)
     stream.result(timeout=120)
     assert not engine.has_pending_controls()
-    with engine._step_lock:  # the loop can take the queue, not apply it
+    # the loop can take the queue, not apply it (no thread takes the step lock while holding
+    # _cond, so queueing under the step lock cannot deadlock)
+    with engine._step_lock:
         engine.release_held_soon(stream.request_id)
         deadline = time.monotonic() + 30
         while engine._controls:  # the loop took it and now waits for the step lock

@@ -1,22 +1,18 @@
 """Waiting for an engine's loop to go idle: every request ended, every queued control applied."""
 
-import gc
 import time
 
 
-def wait_idle(engine, timeout: float = 30.0, collect: bool = False):
+def wait_idle(engine, timeout: float = 30.0):
     """The engine's stats once no request runs, waits or is live and every release, pin or
-    abort queued before the wait has been applied. ``collect``: run the garbage collector
-    each time round (abandoned sessions release their KV when collected).
+    abort queued before the wait has been applied.
 
     Controls are checked before the stats are read: the loop takes the queue before it
     applies it, so only ``has_pending_controls()`` (False once they are applied) makes the
-    stats that follow show them. Backends without it (vLLM, the router) are judged by their
-    requests alone."""
+    stats that follow show them. Backends without it (vLLM, the P/D coordinator) are judged
+    by their requests alone."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if collect:
-            gc.collect()
         pending = getattr(engine, "has_pending_controls", None)
         if pending is None or not pending():
             stats = engine.stats()

@@ -1,8 +1,4 @@
-"""Shared by the agentx.openai tests: a tool, a schema, and waiting for the engine loop."""
-
-from tests.helpers.idle import wait_idle
-
-__all__ = ["wait_idle"]  # the openai tests import it from here
+"""Shared by the agentx.openai tests: a tool, a schema, questions, the assistant message."""
 
 ADD_TOOL = {
     "type": "function",

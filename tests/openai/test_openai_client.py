@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from agentx import SamplingParams
 from agentx.openai import AsyncOpenAI, ChatService, OpenAI
 from agentx.session.context import ChatContext
+from tests.helpers.idle import wait_idle
 from tests.helpers.openai_api import (
     ADD_TOOL,
     CHAT_QUESTIONS,
@@ -21,7 +22,6 @@ from tests.helpers.openai_api import (
     LONG,
     PERSON_FORMAT,
     reply_message,
-    wait_idle,
 )
 
 pytestmark = pytest.mark.slow

@@ -14,6 +14,7 @@ import pytest
 from agentx.cli import main as agentx_main
 from agentx.openai import ChatService
 from agentx.openai.server import ServerThread, create_app
+from tests.helpers.idle import wait_idle
 from tests.helpers.openai_api import (
     ADD_TOOL,
     CHAT_QUESTIONS,
@@ -21,7 +22,6 @@ from tests.helpers.openai_api import (
     LONG,
     PERSON_FORMAT,
     reply_message,
-    wait_idle,
 )
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,8 @@ from agentx import SamplingParams
 from agentx.openai import ChatService
 from agentx.openai.serve_command import log_engine
 from agentx.openai.server import ServerThread, create_app
-from tests.helpers.openai_api import ADD_TOOL, GREEDY, LONG, wait_idle
+from tests.helpers.idle import wait_idle
+from tests.helpers.openai_api import ADD_TOOL, GREEDY, LONG
 
 pytestmark = pytest.mark.slow
 

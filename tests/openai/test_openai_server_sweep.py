@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from agentx.openai import ChatService
 from agentx.openai.server import create_app
-from tests.helpers.openai_api import ADD_TOOL, PERSON_FORMAT, wait_idle
+from tests.helpers.idle import wait_idle
+from tests.helpers.openai_api import ADD_TOOL, PERSON_FORMAT
 
 pytestmark = pytest.mark.slow
 

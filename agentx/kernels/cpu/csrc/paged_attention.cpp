@@ -167,8 +167,9 @@ inline __m256 tail_mask(int64_t n) {
 // table, and a burst of hundreds of prefetches at once stalls the core until memory answers
 // them (the FMAs then wait instead of overlapping the transfer). The wider they are spread,
 // the sooner the same lines arrive: on Zen 2, adding the score loop's calls made decode from
-// DRAM 6-7% faster; issuing them in tighter bursts (a cheaper step) 15% slower. `want`: lines
-// to issue per call.
+// DRAM 6-7% faster; issuing them in tighter bursts (a cheaper step) 13-17% slower. From L3
+// the calls cost ~20% of a decode row, but a step's KV comes from DRAM. `want`: lines to
+// issue per call.
 struct Prefetcher {
   const char* cache = nullptr;
   int64_t block_bytes = 0;  // one block's K and V, contiguous
@@ -841,6 +842,8 @@ inline void pair_values(const float* const* prob, const at::BFloat16* vb, const 
           }
         }
       }
+      // the longer row's last keys alone: the loop above for one row (one body for both
+      // through a shared lambda took the accumulators out of registers: 64-row tiles 45% slower)
       const auto tail = [&](auto row) {
         constexpr int r = decltype(row)::value;
         for (int64_t u = t; u < n[r]; ++u) {

@@ -292,6 +292,7 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
     from agentx.bench.prompts import make_prompt_source
     from agentx.bench.results import Results, make_header
     from agentx.bench.sweep import run_sweep
+    from agentx.bench.trace_stats import think_bound
 
     trace = load_trace(args.trace) if args.trace else synth_trace(args)
     stats = print_stats(trace)
@@ -318,6 +319,8 @@ def cmd_run(args: argparse.Namespace, specs: list[str]) -> int:
         "block_size": trace.block_size,
         "stats": stats,
         "meta": trace.meta,
+        # the wall time of an engine that takes no time: think times alone (TPGS's ceiling)
+        "think_bound_s": {str(c): think_bound(trace, c, args.max_think) for c in concurrencies},
     }
     header = make_header(trace_info, config)
     runs = []

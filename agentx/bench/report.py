@@ -53,6 +53,7 @@ def markdown(results: Results, floor: float) -> str:
         if metrics.interrupted:
             row[0] += " (interrupted)"
         lines.append("| " + " | ".join(row) + " |")
+    lines += _think_bound(results)
     summary = results.summary(floor)
     lines += ["", f"TPGS at interactivity P90 >= {floor:g} tok/s:"]
     for engine, value in summary["tpgs_at_floor"].items():
@@ -63,3 +64,26 @@ def markdown(results: Results, floor: float) -> str:
             cells = ", ".join(f"c={c}: {r:.2f}x" for c, r in ratios.items())
             lines.append(f"- {engine}: {cells or '-'}")
     return "\n".join(lines) + "\n"
+
+
+def _think_bound(results: Results) -> list[str]:
+    """The trace's ceiling at each concurrency (think times alone, no engine time) and each run's
+    wall time against it."""
+    t = results.header.get("trace", {})
+    bound, stats = t.get("think_bound_s"), t.get("stats", {})
+    if not bound or not any(bound.values()):
+        return []
+    tokens = stats.get("num_prompt_tokens", 0) + stats.get("num_output_tokens", 0)
+    cells = ", ".join(
+        f"c={c}: {s:.1f} s (TPGS <= {tokens / s:,.0f})" for c, s in bound.items() if s > 0
+    )
+    lines = ["", f"Think-time bound (the wall time of an engine that takes no time): {cells}."]
+    shares: dict[str, list[str]] = {}
+    for m in results.metrics:
+        s = bound.get(str(m.concurrency))
+        if s and m.wall_time > 0:
+            shares.setdefault(m.engine, []).append(f"c={m.concurrency}: {s / m.wall_time:.0%}")
+    if shares:
+        lines.append("Bound / wall time (100% is the ceiling):")
+        lines += [f"- {engine}: {', '.join(cells)}" for engine, cells in shares.items()]
+    return lines

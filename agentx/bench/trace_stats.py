@@ -15,10 +15,11 @@ the order of requests, only which request gets them.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from dataclasses import dataclass
 
-from agentx.bench.trace import SessionTrace, Trace, TraceRequest
+from agentx.bench.trace import SessionTrace, Step, Trace, TraceRequest, group_steps
 
 
 def block_sizes(request: TraceRequest, block_size: int) -> list[int]:
@@ -97,6 +98,33 @@ def trace_stats(trace: Trace) -> TraceStats:
         subagent_session_fraction=len(with_subagents) / len(spawns) if spawns else 0.0,
         median_subagents=_median(with_subagents),
     )
+
+
+def think_bound(trace: Trace, concurrency: int, max_think: float) -> float:
+    """Seconds the replay of ``trace`` takes at ``concurrency`` on an engine that takes no time:
+    the think times alone, scheduled as :mod:`agentx.bench.replay` schedules them (sessions in
+    trace order on ``concurrency`` slots, each as soon as one frees; an agent's steps in order,
+    each pausing ``min(think_time, max_think)``; a group of subagents as long as its longest).
+    No engine's wall time is shorter, so ``(prompt + output tokens) / think_bound`` bounds TPGS."""
+    if concurrency <= 0:
+        raise ValueError(f"concurrency must be positive, got {concurrency}")
+    slots = [0.0] * min(concurrency, max(1, len(trace.sessions)))
+    wall = 0.0
+    for session in trace.sessions:
+        end = heapq.heappop(slots) + _agent_think(session.steps, max_think)
+        heapq.heappush(slots, end)
+        wall = max(wall, end)
+    return wall
+
+
+def _agent_think(steps: tuple[Step, ...], max_think: float) -> float:
+    total = 0.0
+    for step in group_steps(steps):
+        if isinstance(step, tuple):
+            total += max(_agent_think(s.steps, max_think) for s in step)
+        elif step.think_time > 0 and max_think > 0:
+            total += min(step.think_time, max_think)
+    return total
 
 
 def _median(values: list[int]) -> float:

@@ -68,6 +68,7 @@ def test_run_compare_and_plot(tmp_path, capsys):
         == obj["trace"]["stats"]["theoretical_hit_rate"]
     )
     assert obj["config"]["token_space"] == {"low": 17, "high": 49152}
+    assert obj["trace"]["think_bound_s"] == {"1": 0.0, "3": 0.0}  # --max-think 0
     assert sorted(p.name for p in out.iterdir()) == [
         "hit_rate.png",
         "interactivity_vs_tpgs.png",

@@ -161,3 +161,18 @@ def test_cpu_model_names_family_model_and_the_kernel_isa():
         "AMD EPYC (family 23 model 49; no avx2)"
     )
     assert cpu_model_from("processor\t: 0\n") == ""
+
+
+def test_report_puts_each_wall_time_beside_the_think_bound():
+    runs = (
+        run([rec("a", 100, [1.0, 1.5, 2.0])], "agentx", 2, 4.0),
+        run([rec("a", 100, [1.0, 2.0, 3.0])], "peer", 2, 8.0),
+        run([rec("a", 100, [1.0, 2.0, 3.0])], "peer", 4, 5.0),
+    )
+    stats = {"num_prompt_tokens": 300, "num_output_tokens": 30}
+    trace = {"id": "t", "stats": stats, "think_bound_s": {"2": 3.0, "4": 2.5}}
+    text = markdown(Results(make_header(trace, {"floor": 1.0}), runs), 1.0)
+    assert "no time): c=2: 3.0 s (TPGS <= 110), c=4: 2.5 s (TPGS <= 132)." in text
+    assert "- agentx: c=2: 75%\n- peer: c=2: 38%, c=4: 50%\n" in text
+    no_think = {**trace, "think_bound_s": {"2": 0.0, "4": 0.0}}
+    assert "Think-time bound" not in markdown(Results(make_header(no_think, {}), runs), 1.0)

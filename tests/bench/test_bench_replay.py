@@ -2,10 +2,13 @@
 
 import asyncio
 
+import pytest
+
 from agentx.bench.adapter import BenchEngineError, Done, Tokens
 from agentx.bench.fake_adapter import FakeAdapter
 from agentx.bench.replay import Replay, ReplayConfig
 from agentx.bench.trace import SessionTrace, Subagent, Trace, TraceRequest
+from agentx.bench.trace_stats import think_bound
 
 
 def r(n_in, n_out, ids, think=0.0):
@@ -123,3 +126,40 @@ def test_a_failed_request_is_recorded_and_the_agent_goes_on():
     assert (first.error, first.num_output_tokens) == ("BenchEngineError: boom", 1)
     assert second.ok and second.num_output_tokens == 2 and second.num_cached_tokens is None
     assert len(set(second.token_times)) == 1  # one event carrying both tokens
+
+
+def think_trace():
+    """Three sessions whose think times alone take 0.3, 0.4 (a subagent group as long as its
+    longest member) and 0.2 s."""
+    a = (r(64, 2, [1]), r(64, 2, [1, 2], think=0.3))
+    b = (
+        r(64, 2, [3]),
+        Subagent(0.0, "x", (r(64, 2, [3, 4], think=0.1), r(64, 2, [3, 5], think=0.25))),
+        Subagent(0.0, "y", (r(64, 2, [3, 6], think=0.3),)),
+        r(64, 2, [3, 7], think=0.05),
+    )
+    c = (r(64, 2, [8], think=0.2),)
+    return Trace("t", 64, (SessionTrace("a", a), SessionTrace("b", b), SessionTrace("c", c)))
+
+
+def test_think_bound_schedules_sessions_as_the_replay_does():
+    trace = think_trace()
+    # one slot: 0.3 + 0.4 + 0.2; two: a and b start, c takes a's slot at 0.3 and ends at 0.5
+    assert think_bound(trace, 1, 5.0) == pytest.approx(0.9)
+    assert think_bound(trace, 2, 5.0) == pytest.approx(0.5)
+    assert think_bound(trace, 3, 5.0) == think_bound(trace, 8, 5.0) == pytest.approx(0.4)
+    # capped at 0.1 s a pause: a 0.1, b 0.2 (x; y 0.1) + 0.05, c 0.1
+    assert think_bound(trace, 1, 0.1) == pytest.approx(0.45)
+    assert think_bound(trace, 2, 0) == 0.0
+    with pytest.raises(ValueError, match="concurrency must be positive"):
+        think_bound(trace, 0, 1.0)
+
+
+def test_no_replay_is_faster_than_its_think_bound():
+    trace = think_trace()
+    for concurrency in (1, 2):
+        result = replay(trace, FakeAdapter(), concurrency=concurrency, max_think=5.0)
+        bound = think_bound(trace, concurrency, 5.0)
+        # an engine that takes no time lands on the bound; a schedule unlike the replay's
+        # (c=1 0.9 s, c=2 0.5 s; subagents one after another: +0.3 s) would miss it
+        assert bound <= result.wall_time < bound + 0.25

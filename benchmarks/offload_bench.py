@@ -99,7 +99,10 @@ def main() -> None:
         largest = max(largest, req.num_input_tokens + req.num_output_tokens)
     working_set = len(distinct) * trace.block_size
     num_blocks = max(int(working_set / args.pool_ratio) // 16, largest // 16 + 16)
-    options = AgentxOptions(threads=args.threads, kv_cache_bytes=num_blocks * PAGE_BYTES)
+    # fp32 weights and KV, as PAGE_BYTES counts them (AgentxOptions' default is now "auto")
+    options = AgentxOptions(
+        threads=args.threads, quantization="none", kv_cache_bytes=num_blocks * PAGE_BYTES
+    )
     hints = next_think_times(trace, args.max_think)
     prompts = PromptBuilder(trace.block_size, TokenSpace.default())
     disk = tempfile.mkdtemp(prefix="agentx-offload-bench-")

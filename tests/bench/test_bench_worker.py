@@ -90,6 +90,20 @@ def test_speculative_flag_reaches_the_engine_config():
         assert options.describe()["speculative"] is enabled
 
 
+def test_in_process_and_worker_engines_default_to_the_library_config():
+    """``agentx-inproc`` (AgentxOptions) and the worker measure the engine a user gets: the same
+    quantization and dtype as a bare ``EngineConfig()`` (in-process once ran fp32 weights)."""
+    from agentx import EngineConfig
+    from agentx.bench.agentx_adapter import AgentxOptions
+    from agentx.bench.worker import agentx_options, parse_args
+
+    default = EngineConfig()
+    for options in (AgentxOptions(), agentx_options(parse_args([]))):
+        config = options.engine_config()
+        assert (config.quantization, config.dtype) == (default.quantization, default.dtype)
+        assert config.quantization == "auto"
+
+
 def test_parallel_flags_reach_the_engine_config():
     from agentx import ParallelConfig
     from agentx.bench.worker import agentx_options, parse_args

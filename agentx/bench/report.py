@@ -85,5 +85,5 @@ def _think_bound(results: Results) -> list[str]:
             shares.setdefault(m.engine, []).append(f"c={m.concurrency}: {s / m.wall_time:.0%}")
     if shares:
         lines.append("Bound / wall time (100% is the ceiling):")
-        lines += [f"- {engine}: {', '.join(cells)}" for engine, cells in shares.items()]
+        lines += [f"- {engine}: {', '.join(share)}" for engine, share in shares.items()]
     return lines

@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 
 from agentx.bench.trace import SessionTrace, Step, Trace, TraceRequest, group_steps
+from agentx.errors import ConfigError
 
 
 def block_sizes(request: TraceRequest, block_size: int) -> list[int]:
@@ -107,7 +108,7 @@ def think_bound(trace: Trace, concurrency: int, max_think: float) -> float:
     each pausing ``min(think_time, max_think)``; a group of subagents as long as its longest).
     No engine's wall time is shorter, so ``(prompt + output tokens) / think_bound`` bounds TPGS."""
     if concurrency <= 0:
-        raise ValueError(f"concurrency must be positive, got {concurrency}")
+        raise ConfigError(f"concurrency must be positive, got {concurrency}")
     slots = [0.0] * min(concurrency, max(1, len(trace.sessions)))
     wall = 0.0
     for session in trace.sessions:

@@ -9,6 +9,7 @@ from agentx.bench.fake_adapter import FakeAdapter
 from agentx.bench.replay import Replay, ReplayConfig
 from agentx.bench.trace import SessionTrace, Subagent, Trace, TraceRequest
 from agentx.bench.trace_stats import think_bound
+from agentx.errors import ConfigError
 
 
 def r(n_in, n_out, ids, think=0.0):
@@ -151,7 +152,7 @@ def test_think_bound_schedules_sessions_as_the_replay_does():
     # capped at 0.1 s a pause: a 0.1, b 0.2 (x; y 0.1) + 0.05, c 0.1
     assert think_bound(trace, 1, 0.1) == pytest.approx(0.45)
     assert think_bound(trace, 2, 0) == 0.0
-    with pytest.raises(ValueError, match="concurrency must be positive"):
+    with pytest.raises(ConfigError, match="concurrency must be positive"):
         think_bound(trace, 0, 1.0)
 
 

@@ -1,4 +1,5 @@
-"""Statistics of a trace, computed from hash ids alone (no engine involved).
+"""Statistics of a trace, computed from the trace alone (no engine involved): hit rates from its
+hash ids, and the wall time its think times alone take (:func:`think_bound`).
 
 Theoretical prefix hit rate, the definition used everywhere in ``agentx.bench``::
 

@@ -20,7 +20,9 @@ the fused layer's stages by its opt-in C++ clock), averaged over the steps of ea
         --threads 2                                       # single-stream decode, the coding model
 
 It also prints the KV bytes a decode step reads (every decoder's context, every attention
-layer, K and V, at the prompt's length) and what attention's time makes of them in GB/s.
+layer, K and V, at the prompt's length) and what attention's time makes of them in GB/s, and
+each kind of step's work beside its time: bytes and multiply-adds per component, with the
+floors this machine's measured rates put under them (agentx/bench/step_bounds.py).
 """
 
 # ruff: noqa: E402 - OMP_WAIT_POLICY must be set before torch is imported
@@ -47,6 +49,8 @@ from agentx import (
     SpeculativeConfig,
     kernels,
 )
+from agentx.bench import step_bounds
+from agentx.bench.step_bounds import RowSpan
 from agentx.engine import core
 from agentx.engine.models import base, blocks, layers
 from agentx.engine.runner import model_runner
@@ -65,6 +69,7 @@ class Clock:
             collections.Counter
         )
         self.steps: collections.Counter[str] = collections.Counter()
+        self.spans: dict[str, list[list[RowSpan]]] = collections.defaultdict(list)
         self.depth = 0
 
     def wrap(self, owner, name: str, component: str) -> None:
@@ -126,6 +131,7 @@ def install(clock: Clock, fused_stages: list[torch.Tensor]) -> None:
             if kind is not None:
                 stages = torch.stack(fused_stages).sum(0).tolist() if fused_stages else None
                 _fold(clock, kind, total, stages)
+                clock.spans[kind].append([_span(it) for it in scheduled[0].scheduled])
             fused_stages.clear()
 
     core.EngineCore.step = step_timed
@@ -153,6 +159,11 @@ def _kind(scheduled) -> str | None:
     if decodes == DECODERS and len(items) == DECODERS + 1:
         return "mixed"
     return None
+
+
+def _span(item) -> RowSpan:
+    logit_rows = (1 + item.num_draft_tokens if item.sample else 0) + len(item.prompt_targets)
+    return RowSpan(item.start_position, len(item.token_ids), logit_rows)
 
 
 def _fold(clock: Clock, kind: str, total: float, stages: list[int] | None) -> None:
@@ -227,6 +238,9 @@ def main() -> None:
         time.sleep(1.0)
         for s in streams:
             engine.abort(s.request_id)
+        runner = engine.core.runner
+        shape = step_bounds.model_shape(runner.model, runner.kv_caches)
+        rates = step_bounds.measure_rates(runner.model, runner.num_threads)
     print(
         f"{args.model or 'embedded model'}, quantization={args.quantization}, KV {kv_dtype}, "
         f"{DECODERS} request(s) at ~{CONTEXT} tokens"
@@ -246,6 +260,50 @@ def main() -> None:
         print(f"| {kind} | {n} | {1e3 * acc['total'] / n:.1f} | {cells} |")
         if kind == "decode" and acc["attention"]:
             print(f"decode attention: {kv_bytes / (acc['attention'] / n) / 1e9:.1f} GB/s of KV")
+    _print_bounds(clock, shape, rates)
+
+
+def _print_bounds(clock: Clock, shape: step_bounds.ModelShape, rates: step_bounds.Rates) -> None:
+    """Each kind of step's work and the floors under it, component by component."""
+    print(
+        f"\nrates: read {rates.read_bytes / 1e9:.1f} GB/s (torch sum of 1 GiB); linear layers "
+        f"{rates.linear_macs / 1e9:.1f} GMAC/s, LM head {rates.lm_head_macs / 1e9:.1f} GMAC/s "
+        f"(the kernels on 256 rows); fp32 FMA {rates.fma_macs / 1e9:.1f} GMAC/s (torch.mm 256^3)"
+    )
+    print(
+        "| step | component | ms | MB read | GMAC | memory floor ms | compute floor ms | x floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    parts = (("GEMMs", "linear"), ("logits", "lm_head"), ("attention", "attention"))
+    for kind in ("decode", "mixed"):
+        n = clock.steps[kind]
+        if not n:
+            continue
+        acc = clock.kinds[kind]
+        work = step_bounds.mean_work([step_bounds.step_work(shape, s) for s in clock.spans[kind]])
+        floor = step_bounds.floors(work, rates)
+        sizes = {
+            "linear": (work.linear_bytes, work.linear_macs),
+            "lm_head": (work.lm_head_bytes, work.lm_head_macs),
+            "attention": (work.kv_bytes, work.attention_macs),
+        }
+        for component, field in parts:
+            memory, compute = getattr(floor, field)
+            nbytes, macs = sizes[field]
+            ms = 1e3 * acc[component] / n
+            print(
+                f"| {kind} | {component} | {ms:.1f} | {nbytes / 1e6:.0f} | {macs / 1e9:.2f} | "
+                f"{1e3 * memory:.1f} | {1e3 * compute:.1f} | "
+                f"{ms / (1e3 * max(memory, compute)):.1f}x |"
+            )
+        total = 1e3 * acc["total"] / n
+        print(
+            f"| {kind} | step | {total:.1f} | {work.bytes / 1e6:.0f} | "
+            f"{(work.linear_macs + work.lm_head_macs + work.attention_macs) / 1e9:.2f} | "
+            f"{1e3 * floor.memory:.1f} | {1e3 * floor.compute:.1f} | "
+            f"{total / (1e3 * floor.memory):.1f}x memory, "
+            f"{total / (1e3 * floor.compute):.1f}x compute |"
+        )
 
 
 if __name__ == "__main__":

@@ -60,9 +60,12 @@ class Harness:
             list(seq.tokens[:num_tokens]), list(blocks), src_page=seq.checkpoints[num_tokens]
         )
 
-    def step(self, work: list[tuple[Seq, list[int], tuple[int, ...]]]) -> list[torch.Tensor]:
+    def step(
+        self, work: list[tuple[Seq, list[int], tuple[int, ...]]], keep: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Run (seq, new tokens, extra save points) requests as one flat batch; returns each
-        request's logits (n_new, vocab)."""
+        request's logits (n_new, vocab), or with ``keep`` (rows of the flat batch, ascending)
+        one tensor of those rows' logits, the model asked for them alone."""
         ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
         src_pages, save_points = [], []
         for seq, new, saves in work:
@@ -102,8 +105,10 @@ class Harness:
         groups = tuple(1 if i in self.linear_layers else 0 for i in range(len(self.kv_caches)))
         ctx = ForwardContext((attn, None), groups, self.kv_caches, (None, linear))
         with torch.inference_mode(), forward_context(ctx):
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), keep)
             logits = self.model.compute_logits(hidden)
         for seq, new, _ in work:
             seq.tokens += new
+        if keep is not None:
+            return [logits]
         return list(logits.split([len(new) for _, new, _ in work]))

@@ -137,6 +137,48 @@ def test_rows_do_not_depend_on_chunking_or_batching(model):
     assert torch.equal(torch.cat(out), whole)  # bit for bit
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
+def test_the_last_layer_computes_the_kept_rows_as_among_all(model, fused):
+    saved = [layer._fused for layer in _layers(model)]
+    if not fused:  # the modules' path runs every row and selects: the same contract
+        for layer in _layers(model):
+            layer._fused = None
+    try:
+        a, b = random_tokens(40, seed=3), random_tokens(3, seed=4)
+        full = Harness(model)
+        seqs = [Seq(), Seq()]
+        whole = torch.cat(full.step([(seqs[0], a, ()), (seqs[1], b, ())]))
+        kept = Harness(model)
+        mine = [Seq(), Seq()]
+        keep = torch.tensor([0, 17, 39, 42])  # rows of both requests, one the last of each
+        (rows,) = kept.step([(mine[0], a, ()), (mine[1], b, ())], keep)
+        assert torch.equal(rows, whole[keep])  # bit for bit
+        # every row's K and V were written: the next tokens see the same context
+        nxt = [random_tokens(1, seed=5), random_tokens(2, seed=6)]
+        after_full = full.step([(seqs[0], nxt[0], ()), (seqs[1], nxt[1], ())])
+        (none,) = kept.step(
+            [(mine[0], nxt[0], ()), (mine[1], nxt[1], ())], torch.tensor([], dtype=torch.long)
+        )
+        assert none.shape[0] == 0
+        again = Harness(model)
+        fresh = [Seq(), Seq()]
+        again.step([(fresh[0], a, ()), (fresh[1], b, ())], torch.tensor([], dtype=torch.long))
+        after_none = again.step([(fresh[0], nxt[0], ()), (fresh[1], nxt[1], ())])
+        for x, y in zip(after_full, after_none, strict=True):
+            assert torch.equal(x, y)
+    finally:
+        for layer, f in zip(_layers(model), saved, strict=True):
+            layer._fused = f
+
+
+def test_kept_rows_must_ascend_once_each(model):
+    layer = _layers(model)[0]
+    x = torch.randn(6, layer.self_attn.qkv_proj.in_features)
+    for bad in ([2, 1], [3, 3], [6], [-1]):
+        with pytest.raises(RuntimeError, match="keep must list rows"):
+            _call_layer(layer, layer._fused, x, torch.arange(6), 1e-6, torch.tensor(bad))
+
+
 # -- Qwen2: q | k | v with a bias, in K-quant runs ------------------------------------------
 
 
@@ -159,7 +201,12 @@ def test_every_qwen_layer_fuses_with_its_runs_and_bias(qwen):
 
 
 def _call_layer(
-    layer: DecoderLayer, weights, x: torch.Tensor, positions: torch.Tensor, eps: float
+    layer: DecoderLayer,
+    weights,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused op on x's rows as one request's prompt in fresh blocks 1, 2, ...: its output,
     and the K and V rows it wrote to the cache, (T, Hkv * D) each."""
@@ -181,6 +228,7 @@ def _call_layer(
         eps,
         attn.attn.scale,
         None,
+        keep,
     )
     width = attn.num_kv_heads * attn.head_dim
     k, v = (kv_cache[1:, i].reshape(-1, width)[:rows] for i in (0, 1))  # (T, Hkv * D)

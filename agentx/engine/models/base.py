@@ -65,11 +65,20 @@ class CausalLM(nn.Module):
         """(T,) -> (T, hidden): the first layer's input."""
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions (T,) -> final hidden states (T, hidden)."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions (T,) -> final hidden states (T, hidden); with ``keep`` (rows,
+        ascending, unique) those rows' alone, (len(keep), hidden): the last layer computes no
+        more than they need (every row's K and V are still written)."""
         x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = (
+                layer(positions, x)
+                if keep is None or i < last
+                else layer.forward_rows(positions, x, keep)
+            )
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

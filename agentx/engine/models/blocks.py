@@ -272,8 +272,22 @@ class DecoderLayer(nn.Module):
         x = x + mixer(positions, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_rows(
+        self, positions: torch.Tensor, x: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """``forward(positions, x)[keep]`` (``keep`` ascending, unique): the fused layer writes
+        every row's K and V and runs attention and the MLP for the kept rows alone (a row's
+        result is its own: the same bits); other shapes run every row and select."""
+        if self._fused is None:
+            return self(positions, x)[keep.to(x.device)]
+        return self._forward_fused(positions, x, self._fused, keep)
+
     def _forward_fused(
-        self, positions: torch.Tensor, x: torch.Tensor, weights: kernels.FusedLayerWeights
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        weights: kernels.FusedLayerWeights,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attn = getattr(self, self.mixer_name)
         paged = attn.attn
@@ -296,4 +310,5 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.eps,
             paged.scale,
             paged.sliding_window,
+            keep,
         )

@@ -160,7 +160,7 @@ class QuantizableLinear(nn.Module):
             y = kernels.quantized_linear(
                 rows, self.qweight, self.qscale, self.qmin, bias, self.bits
             )
-        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])  # also for no rows
 
 
 class ColumnParallelLinear(QuantizableLinear):

@@ -152,13 +152,17 @@ class ModelRunner:
             own = split.own.to(input_ids.device)
             input_ids, positions = input_ids[own], positions[own]
         self.num_rows_run += len(input_ids)
+        # the rows the LM head reads: the last layer computes those alone (none in a prefill
+        # chunk that samples nothing); a rank's share of a split prefill keeps every row
+        rows = batch.logits_indices
+        keep, where = (None, rows) if split is not None else _kept_rows(rows, len(input_ids))
         with forward_context(ctx):
-            hidden = self.model(input_ids.to(self.device), positions.to(self.device))
-        if not len(batch.logits_indices):
+            hidden = self.model(input_ids.to(self.device), positions.to(self.device), keep)
+        if not len(rows):
             return None
         if split is not None:  # the same on every rank: the collective lines up
             hidden = split.gather(hidden)  # (T, hidden): every rank samples every row
-        return self._logits(hidden[batch.logits_indices.to(self.device)])
+        return self._logits(hidden[where.to(self.device)])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on every thread, also in a one-thread step: one GEMV over the whole
@@ -306,6 +310,15 @@ def _verify(
         if len(kept) == j - 1 and item.draft_token_ids[j - 1] == previous:
             extra.setdefault(rid, []).append(token_id)
     return sampled, extra
+
+
+def _kept_rows(rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(keep, where): the distinct rows in ``rows``, ascending (None when that is all
+    ``num_rows``), and where each of ``rows`` sits among them."""
+    keep = torch.unique(rows)  # sorted
+    if len(keep) == num_rows:
+        return None, rows
+    return keep, torch.searchsorted(keep, rows)
 
 
 def _staged(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

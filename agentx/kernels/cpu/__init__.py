@@ -137,9 +137,12 @@ def fused_decoder_layer(
     eps: float,
     scale: float,
     sliding_window: int | None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One pre-norm SwiGLU decoder layer over quantized weights (``csrc/decoder_layer.cpp``);
-    ``weights`` go to the op as its two lists, in the record's field order."""
+    ``weights`` go to the op as its two lists, in the record's field order. With ``keep``
+    (rows of ``x``, ascending) it returns those rows' outputs alone: every row's K and V are
+    written, attention and the MLP run for the kept rows (each as it would among all)."""
     tensors, bits = weights.packed
     return torch.ops.agentx.fused_decoder_layer(
         x.contiguous(),
@@ -156,4 +159,5 @@ def fused_decoder_layer(
         eps,
         scale,
         sliding_window or 0,
+        keep,
     )

@@ -322,7 +322,8 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
                                at::IntArrayRef bits, const at::Tensor& kv_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& token_req, const at::Tensor& token_len,
-                               int64_t num_heads, double eps, double scale, int64_t window) {
+                               int64_t num_heads, double eps, double scale, int64_t window,
+                               const c10::optional<at::Tensor>& keep) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be contiguous (T, hidden) float32");
   for (const auto* t : {&positions, &slot_mapping, &block_tables, &token_req, &token_len}) {
@@ -353,7 +354,23 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
     TORCH_CHECK(pos[r] >= 0 && pos[r] < cos_sin.size(0), "position ", pos[r],
                 " is outside the RoPE table of ", cos_sin.size(0), " positions");
   }
-  at::Tensor out = x.clone();
+  // keep: the rows whose outputs the caller reads, ascending (the last layer's sampled rows).
+  // Every row's K and V are written; attention, o_proj and the MLP run for the kept rows
+  // alone, each of which comes out as it would among all (a row's result is its own).
+  const bool some = keep.has_value() && keep->defined();
+  const int64_t* kept = nullptr;
+  int64_t out_rows = rows;
+  if (some) {
+    TORCH_CHECK(keep->scalar_type() == at::kLong && keep->dim() == 1 && keep->is_contiguous(),
+                "fused_decoder_layer: keep must be a contiguous 1-D int64 tensor");
+    kept = keep->data_ptr<int64_t>();
+    out_rows = keep->numel();
+    for (int64_t i = 0; i < out_rows; ++i) {
+      TORCH_CHECK(kept[i] >= 0 && kept[i] < rows && (i == 0 || kept[i] > kept[i - 1]),
+                  "fused_decoder_layer: keep must list rows of x in ascending order, once each");
+    }
+  }
+  at::Tensor out = some ? x.index_select(0, *keep) : x.clone();
   if (rows == 0) return out;
   float* xo = out.data_ptr<float>();
   ScratchFrame scratch;
@@ -367,7 +384,7 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
   const float feps = static_cast<float>(eps);
   StageClock clock;
   // attention half
-  rms_norm_rows(xo, w.input_norm.data_ptr<float>(), rows, hidden, feps, h);
+  rms_norm_rows(x.data_ptr<float>(), w.input_norm.data_ptr<float>(), rows, hidden, feps, h);
   clock.lap(kNorms);
   int64_t column = 0;
   for (const QuantLinear* run : qkv_runs) {
@@ -395,23 +412,35 @@ at::Tensor fused_decoder_layer(const at::Tensor& x, const at::Tensor& positions,
     write_kv_rows(buf, qkv_width, rows, q_width, kv_width, kv_cache.data_ptr<float>(),
                   kv_cache.stride(0), kv_cache.size(2), slot_mapping.data_ptr<int64_t>());
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(q + r * q_width, buf + r * qkv_width, sizeof(float) * q_width);
+  const int64_t* req = token_req.data_ptr<int64_t>();
+  const int64_t* len = token_len.data_ptr<int64_t>();
+  if (some) {
+    int64_t* kept_req = scratch.take<int64_t>(out_rows);
+    int64_t* kept_len = scratch.take<int64_t>(out_rows);
+    for (int64_t i = 0; i < out_rows; ++i) {
+      kept_req[i] = req[kept[i]];
+      kept_len[i] = len[kept[i]];
+    }
+    req = kept_req;
+    len = kept_len;
+  }
+  for (int64_t r = 0; r < out_rows; ++r) {
+    const int64_t from = some ? kept[r] : r;
+    std::memcpy(q + r * q_width, buf + from * qkv_width, sizeof(float) * q_width);
   }
   clock.lap(kRopeWriteKv);
   paged_attention_rows_into(q, kv_cache, block_tables.data_ptr<int64_t>(),
-                            block_tables.size(1), token_req.data_ptr<int64_t>(),
-                            token_len.data_ptr<int64_t>(), rows, num_heads,
+                            block_tables.size(1), req, len, out_rows, num_heads,
                             static_cast<float>(scale), window, attn);
   clock.lap(kAttention);
-  quantized_linear_into(attn, rows, q_width, o_proj.qweight, o_proj.scale, o_proj.mins,
+  quantized_linear_into(attn, out_rows, q_width, o_proj.qweight, o_proj.scale, o_proj.mins,
                         o_proj.bits, y, hidden);
   clock.lap(kGemms);
-  add_rows(xo, y, rows * hidden);
+  add_rows(xo, y, out_rows * hidden);
   clock.lap(kElementwise);
   // MLP half, kMlpRows rows at a time (every row's result is its own, so the same bits)
-  for (int64_t r0 = 0; r0 < rows; r0 += kMlpRows) {
-    const int64_t n = std::min(kMlpRows, rows - r0);
+  for (int64_t r0 = 0; r0 < out_rows; r0 += kMlpRows) {
+    const int64_t n = std::min(kMlpRows, out_rows - r0);
     float* xr = xo + r0 * hidden;
     rms_norm_rows(xr, w.post_attention_norm.data_ptr<float>(), n, hidden, feps, h);
     clock.lap(kNorms);
@@ -435,7 +464,8 @@ TORCH_LIBRARY_FRAGMENT(agentx, lib) {
   lib.def(
       "fused_decoder_layer(Tensor x, Tensor positions, Tensor cos_sin, Tensor[] weights, "
       "int[] bits, Tensor kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor token_req, "
-      "Tensor token_len, int num_heads, float eps, float scale, int window) -> Tensor");
+      "Tensor token_len, int num_heads, float eps, float scale, int window, Tensor? keep=None) "
+      "-> Tensor");
   lib.impl("fused_decoder_layer", c10::DispatchKey::CPU, &fused_decoder_layer);
   lib.def("layer_stage_times(bool on) -> Tensor", &layer_stage_times);
   lib.def("fused_layer_fields() -> str[]", &fused_layer_fields);

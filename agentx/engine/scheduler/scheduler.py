@@ -8,8 +8,11 @@ token behind, a chunked prefill is a request the budget clipped.
 
 While some running request decodes, requests given more than one token (chunks) also share a
 smaller part of the budget: what the step cost model (step_cost.py) says keeps the step near
-``decode_step_target_ms``, so a decode never waits behind a whole long chunk. The scheduler times
-each step (schedule() to update_from_output()) and feeds the model.
+``decode_step_target_ms``, so a decode never waits behind a whole long chunk. The target is a
+time per output token: where verification keeps a decode's drafts, a step gives it several
+tokens and may take that many targets (the fewest any decode kept, over the last steps), its
+drafts' rows counted in the step. The scheduler times each step (schedule() to
+update_from_output()) and feeds the model.
 
 When the pool runs out, the policy's victim is preempted by recompute: its blocks go back to the
 pool with their cached content, so on resume it takes a prefix hit on what survived.
@@ -24,6 +27,7 @@ budget but not the chunk share, never preempt anything and never release held KV
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -43,6 +47,9 @@ from agentx.engine.scheduler.queues import QUEUES
 from agentx.engine.scheduler.step_clock import PrefillCadence, StepClock
 from agentx.engine.scheduler.step_cost import StepCostModel, make_step_cost
 from agentx.errors import PromptTooLongError
+
+# steps with decodes that the chunk share's estimate of drafts kept averages over
+_DECODE_WINDOW = 8
 
 
 @dataclass(slots=True)
@@ -102,6 +109,9 @@ class Scheduler:
             else None
         )
         self._chunk_share = 0  # the chunk tokens of the step being built
+        # per recent step with decodes: the tokens the step's slowest decode kept (1 + accepted
+        # drafts) and the rows a decode ran (1 + drafts), for the chunk share
+        self._decode_steps: deque[tuple[int, float]] = deque(maxlen=_DECODE_WINDOW)
         self.waiting = self.queue_cls()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}  # waiting on an offload load, out of line
@@ -297,8 +307,21 @@ class Scheduler:
         if not target_ms or not num_decoding:
             return budget
         cost = self.cost_model.get_cost()
-        share = cost.get_num_tokens(target_ms, num_decoding, num_decoding)
+        # The target is a time per output token: a decode whose drafts verification keeps gains
+        # several tokens a step, so the step may take that many targets and the decode still
+        # reaches the rate; its drafts' rows count toward the step's time.
+        kept, rows = self._decode_yield()
+        share = cost.get_num_tokens(target_ms * kept, round(num_decoding * rows), num_decoding)
         return min(max(share, self.config.decode_step_min_prefill_tokens), budget)
+
+    def _decode_yield(self) -> tuple[float, float]:
+        """(tokens the slowest decode of a step kept, rows a decode ran), averaged over the
+        recent steps with decodes; (1, 1) before any, and without drafts."""
+        if not self._decode_steps:
+            return 1.0, 1.0
+        n = len(self._decode_steps)
+        kept = sum(k for k, _ in self._decode_steps) / n
+        return kept, sum(r for _, r in self._decode_steps) / n
 
     def _add_drafts(self, budget: _StepBudget, scheduled: dict[str, _Scheduled]) -> None:
         """Drafts go last, with what is left of the budget and the free blocks: they never
@@ -464,6 +487,7 @@ class Scheduler:
         drafts back, finish requests that stop, and report deltas."""
         self._observe_step(output)
         deltas = []
+        decodes: list[tuple[int, int]] = []  # (tokens kept, rows run) of this step's decodes
         for item in output.scheduled:
             token_id = runner_output.sampled_token_ids.get(item.request_id)
             request = self.requests.get(item.request_id)
@@ -485,6 +509,8 @@ class Scheduler:
                 self.num_generated_tokens += 1
                 if request.check_stop(self.max_model_len) or appended[-1] != token_id:
                     break  # after a swapped token, the drafts' KV is not this output's
+            if len(item.token_ids) - item.num_draft_tokens == 1:
+                decodes.append((len(appended), len(item.token_ids)))
             if item.num_draft_tokens:
                 self._take_back_drafts(request, item.num_draft_tokens, len(appended) - 1)
             if request.is_finished:
@@ -495,6 +521,9 @@ class Scheduler:
                     -request.num_computed_tokens // self.kv.block_size
                 )
             deltas.append(make_output(request, appended, tuple(logprobs)))
+        if decodes:
+            rows = sum(r for _, r in decodes) / len(decodes)
+            self._decode_steps.append((min(k for k, _ in decodes), rows))
         return deltas
 
     def _take_back_drafts(self, request: Request, num_drafted: int, num_accepted: int) -> None:

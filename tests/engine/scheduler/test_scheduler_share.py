@@ -85,6 +85,30 @@ def test_chunks_share_in_admission_order_and_decodes_still_run():
     assert s.requests["q"].num_output_tokens == 1
 
 
+def test_drafts_kept_stretch_the_target_by_the_fewest_tokens_a_decode_kept():
+    s = make_scheduler()
+    start_decodes(s)
+    s.add_request(make_request("long", list(range(100, 100 + LONG))))
+    # four decodes that each ran 1 + 4 drafts; the slowest kept 3 tokens, in every recent step
+    for _ in range(8):
+        s._decode_steps.append((3, 5.0))
+    # 3 x 100 ms for 20 decode rows and a chunk: 300 - (20 + 10 + 5 x 2) = 260 ms -> 520 tokens
+    assert s._decode_yield() == (3.0, 5.0)
+    assert step(s) == {**DECODES, "long": 520}
+    # this step's decodes kept one token each (no drafts): the average moves toward (1, 1)
+    assert s._decode_steps[-1] == (1, 1.0)
+    assert s._decode_yield() == (2.75, 4.5)
+
+
+def test_without_drafts_a_decode_keeps_one_token_a_step():
+    s = make_scheduler()
+    start_decodes(s)
+    for _ in range(3):
+        step(s)
+    assert list(s._decode_steps) == [(1, 1.0)] * 3
+    assert s._decode_yield() == (1.0, 1.0)
+
+
 def test_long_prefill_threshold_still_caps_below_the_share():
     s = make_scheduler(long_prefill_token_threshold=100)
     start_decodes(s)

@@ -147,9 +147,11 @@ class SchedulerConfig:
     # step cost model's estimate; with nothing decoding they share the whole budget. 0: off
     # (decodes wait behind whole chunks). 200 ms is one token per 200 ms, the 5 tok/s P90
     # interactivity floor the benchmarks judge TPGS at: a decode that shares every step with a
-    # prefill chunk still reaches it. Decodes would need those steps anyway, so the smaller
-    # chunks cost little TPGS; on this CPU today it leaves ~60 prefill tokens beside 4 decodes,
-    # on a 3-4x faster prefill ~250, on a GPU the whole budget.
+    # prefill chunk still reaches it. It is a time per output token: where verification keeps
+    # drafts a step gives a decode several tokens and may take that many targets. Decodes
+    # would need those steps anyway, so the smaller chunks cost little TPGS; on this CPU today
+    # it leaves ~60 prefill tokens beside 4 decodes (without drafts), on a 3-4x faster prefill
+    # ~250, on a GPU the whole budget.
     decode_step_target_ms: float = 200.0
     # The chunk share never drops below this while decodes run, so a new turn's prefill
     # progresses (and its time to first token stays bounded) even when decodes alone fill the

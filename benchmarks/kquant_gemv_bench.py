@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from agentx.bench.step_bounds import read_bandwidth
 from agentx.kernels import cpu
 from agentx.kernels.ref import kquant
 
@@ -75,17 +76,6 @@ def time_call(x: torch.Tensor, w: torch.Tensor, kind: int, reps: int) -> tuple[f
     return statistics.median(times), min(times)
 
 
-def read_bandwidth() -> float:
-    """GB/s of summing a 1 GiB int64 buffer with torch (the current thread count), best of 5."""
-    buf = torch.ones(1 << 27, dtype=torch.int64)
-    best = 0.0
-    for _ in range(5):
-        start = time.perf_counter()
-        buf.sum()
-        best = max(best, buf.numel() * 8 / (time.perf_counter() - start) / 1e9)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -102,7 +92,7 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f}, agentx from {os.path.dirname(cpu.__file__)}"
     )
     if args.bandwidth:
-        print(f"# read bandwidth (torch sum of 1 GiB): {read_bandwidth():.1f} GB/s")
+        print(f"# read bandwidth (torch sum of 1 GiB): {read_bandwidth() / 1e9:.1f} GB/s")
     print("| shape | type | N x K | MB | M | ms median | ms best | GB/s best |")
     print("|---|---|---|---|---|---|---|---|")
     for name, n, k, kind in SHAPES:

@@ -187,15 +187,20 @@ def _best_rate(amount: float, run, reps: int) -> float:
     return amount / best
 
 
+def read_bandwidth() -> float:
+    """Bytes a second of summing a 1 GiB int64 buffer with torch at the current thread count,
+    best of 5."""
+    buf = torch.ones(1 << 27, dtype=torch.int64)
+    return _best_rate(buf.numel() * 8, buf.sum, 5)
+
+
 def measure_rates(model: nn.Module, threads: int, rows: int = 256) -> Rates:
     """This machine's rates at ``threads`` threads (best of several runs each): the read
     bandwidth, the model's largest linear layer and its LM head on ``rows`` rows, fp32 FMA."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        buf = torch.ones(1 << 27, dtype=torch.int64)  # 1 GiB
-        read = _best_rate(buf.numel() * 8, buf.sum, 5)
-        del buf
+        read = read_bandwidth()
         linears = [
             m
             for m in model.modules()

@@ -23,6 +23,10 @@ class FakeClock:
 
 def make_scheduler(cost_model=None, clock=None, num_blocks=700, **cfg):
     cfg.setdefault("decode_step_target_ms", 100.0)
+    # one lane, every waiting turn clipped to the chunk share: what the share tests pin (the
+    # lanes and short-turn tests turn them on)
+    cfg.setdefault("short_turn_tokens", 0)
+    cfg.setdefault("cold_prefill_tokens", 0)
     return Scheduler(
         SchedulerConfig(**cfg),
         make_manager(num_blocks),

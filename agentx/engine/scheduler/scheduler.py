@@ -54,11 +54,13 @@ _DECODE_WINDOW = 8
 
 @dataclass(slots=True)
 class _StepBudget:
-    """What is left of one step's budget: tokens for every request, and the share of requests
-    given more than one token (chunks). The share is the whole budget unless something decodes."""
+    """What is left of one step's budget: tokens for every request, the share of requests given
+    more than one token (chunks; the whole budget unless something decodes), and the tokens
+    short turns may still take past that share."""
 
     num_tokens: int
     num_chunk_tokens: int
+    num_short_tokens: int = 0
 
     def clip(self, num_new: int) -> int:
         """Tokens a request asking for ``num_new`` gets (0: the chunk share is spent)."""
@@ -66,12 +68,19 @@ class _StepBudget:
             num_new = min(num_new, self.num_chunk_tokens)
         return min(num_new, self.num_tokens)
 
+    def fits_whole(self, num_new: int) -> bool:
+        """Whether a short turn of ``num_new`` tokens fits whole, past the chunk share."""
+        over = max(0, num_new - self.num_chunk_tokens)
+        return 1 < num_new <= self.num_tokens and over <= self.num_short_tokens
+
     def take(self, num_new: int, num_draft: int = 0) -> None:
         self.num_tokens -= num_new + num_draft
         if num_new > 1:  # a short turn admitted whole may take more than the share left
+            self.num_short_tokens -= max(0, num_new - self.num_chunk_tokens)
             self.num_chunk_tokens = max(0, self.num_chunk_tokens - num_new)
 
     def give_back(self, num_new: int, num_draft: int = 0) -> None:
+        """A preempted request's tokens (what it took past the share is not given back)."""
         self.num_tokens += num_new + num_draft
         if num_new > 1:
             self.num_chunk_tokens += num_new
@@ -201,7 +210,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._chunk_share = self._get_chunk_share()
         self._window_open = self.cadence.tick()
-        budget = _StepBudget(self.config.max_num_batched_tokens, self._chunk_share)
+        budget = _StepBudget(
+            self.config.max_num_batched_tokens, self._chunk_share, self.config.short_turn_tokens
+        )
         scheduled: dict[str, _Scheduled] = {}
         lanes = self.lanes
         cold = [r for r in self.running if lanes.is_cold(r)] if lanes is not None else []
@@ -369,9 +380,10 @@ class Scheduler:
 
     def _clip_admitted(self, num_new: int, budget: _StepBudget) -> int:
         """A waiting request's tokens this step: a short turn's whole (up to
-        ``long_prefill_token_threshold``), past the chunk share (``short_turn_tokens``);
-        anything else as ``_clip``."""
-        if 1 < num_new <= min(self.config.short_turn_tokens, budget.num_tokens):
+        ``long_prefill_token_threshold``), past the chunk share (``short_turn_tokens``: the
+        turn's tokens, and those the step's short turns take past the share); anything else as
+        ``_clip``."""
+        if num_new <= self.config.short_turn_tokens and budget.fits_whole(num_new):
             threshold = self.config.long_prefill_token_threshold
             return min(num_new, threshold) if threshold else num_new
         return self._clip(num_new, budget)

@@ -229,17 +229,31 @@ def test_config_builds_the_model_and_rejects_bad_values():
 
 
 def test_short_turns_are_admitted_whole_past_the_share():
-    # short_turn_tokens=256: two 200-token turns arriving together (a subagent burst) both run
-    # whole in one step beside the decodes, past the 136-token share; a 300-token turn does not
-    # count as short and gets the share as before
+    # short_turn_tokens=256: two 120-token turns arriving together (a subagent burst) both run
+    # whole in one step beside the decodes, 104 tokens past the 136-token share; a 300-token turn
+    # does not count as short and gets the share as before
     s = make_scheduler(short_turn_tokens=256)
     start_decodes(s)
-    s.add_request(make_request("x", list(range(100, 300))))
-    s.add_request(make_request("y", list(range(300, 500))))
+    s.add_request(make_request("x", list(range(100, 220))))
+    s.add_request(make_request("y", list(range(300, 420))))
     s.add_request(make_request("long", list(range(500, 800))))
-    assert step(s) == {**DECODES, "x": 200, "y": 200}
+    assert step(s) == {**DECODES, "x": 120, "y": 120}
     # six decodes now: 100 - (20 + 6 * 0.5 + 7 * 2) = 63 ms, 126 tokens for the long one
     assert step(s) == {**DECODES, "x": 1, "y": 1, "long": 126}
+
+
+def test_short_turns_take_at_most_short_turn_tokens_past_the_share_a_step():
+    # three 200-token turns: x takes 64 past the 136-token share (192 of 256 left), y would take
+    # 200 and waits (z behind it, in order); next step the share is 131 (five decodes: 100 -
+    # (20 + 5 * 0.5 + 6 * 2) = 65.5 ms), y takes 69 past it, and z, 200 past a spent share, waits
+    # again; then z alone (share 126, 74 past it)
+    s = make_scheduler(short_turn_tokens=256)
+    start_decodes(s)
+    for rid, first in (("x", 100), ("y", 300), ("z", 500)):
+        s.add_request(make_request(rid, list(range(first, first + 200))))
+    assert step(s) == {**DECODES, "x": 200}
+    assert step(s) == {**DECODES, "x": 1, "y": 200}
+    assert step(s) == {**DECODES, "x": 1, "y": 1, "z": 200}
 
 
 def test_without_short_turns_a_burst_trickles_in_at_the_share():

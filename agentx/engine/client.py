@@ -37,6 +37,9 @@ from agentx.errors import InvalidRequestError, RequestAbortedError, warn_renamed
 
 __all__ = ["Engine", "Prompt"]
 
+_Queued = tuple[Request, RequestStream]  # a request and its stream, queued for the loop
+_Control = Callable[[EngineCore], object]  # a release or pin, run by the loop before a step
+
 logger = logging.getLogger(__name__)
 
 
@@ -235,17 +238,25 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
     def _has_work(self) -> bool:
         return bool(self._controls or self._orphans) or self.core.has_unfinished_requests()
 
-    def _take_controls(self) -> list[Callable[[EngineCore], object]]:
+    def _take_controls(self) -> tuple[list[_Queued], list[str], list[_Control]]:
+        """The requests, aborts and controls queued since the loop took its requests and aborts,
+        in one snapshot: every control then applies after what its caller queued before it.
+        A caller that aborts a request and releases its id (Session's `break`) would otherwise
+        see the release applied (a no-op: the request still ran) a step before the abort, and
+        the KV the request then held under its id stayed held (the dp2 soak caught it)."""
         with self._cond:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
             controls, self._controls = self._controls, []
             while self._orphans:
                 handle = self._orphans.popleft()
                 controls.append(lambda core, handle=handle: core.release_held(handle))
             self._num_applying = len(controls)
-        return controls
+        return new, aborts, controls
 
     def _step(self, new: list[tuple[Request, RequestStream]], aborts: list[str]) -> None:
-        controls = self._take_controls()
+        late_new, late_aborts, controls = self._take_controls()
+        new, aborts = new + late_new, aborts + late_aborts
         try:
             with self._step_lock:
                 for request, _ in new:

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from agentx import CacheConfig, KVExport, SamplingParams
+from agentx import CacheConfig, KVExport, SamplingParams, SpeculativeConfig
+from agentx.errors import RequestAbortedError
 
 pytestmark = pytest.mark.slow
 
@@ -121,4 +122,36 @@ def test_a_queued_release_is_pending_until_the_loop_applied_it(make_engine):
         time.sleep(0.005)
     stats = engine.stats()
     assert stats.kv_num_held == 0 and stats.kv_num_used_blocks == 0
+    engine.check_integrity()
+
+
+def test_an_abort_and_release_queued_while_the_loop_steps_leave_nothing_held(make_engine):
+    """A caller aborts a held request and releases its id (Session's `break`) after the loop took
+    its aborts but before it took its controls, in the step the request finishes: the release
+    must not apply first (a no-op then) and leave the KV the request holds under its id."""
+    engine = make_engine(speculative=SpeculativeConfig(enabled=False))
+    stream = engine.add_request(engine.tokenizer.encode("One, two,"), GREEDY, hold_kv=True)
+    rid, take = stream.request_id, engine._take_controls
+    fired = []
+
+    def race():  # on the loop thread, between its take of the aborts and of the controls
+        request = engine.core.scheduler.requests.get(rid)
+        if not fired and request is not None and request.num_output_tokens == 11:
+            fired.append(True)  # this step samples the 12th token: the request finishes
+            engine.abort(rid)
+            engine.release_held_soon(rid)
+        return take()
+
+    engine._take_controls = race
+    try:
+        stream.result(timeout=120)
+    except RequestAbortedError:
+        pass  # the abort came first: its KV went with it
+    assert fired
+    deadline = time.monotonic() + 30
+    while engine.has_pending_controls() or engine.get_num_live_requests():
+        assert time.monotonic() < deadline, "the release was never applied"
+        time.sleep(0.005)
+    stats = engine.stats()
+    assert (stats.kv_num_held, stats.kv_num_used_blocks) == (0, 0)
     engine.check_integrity()

@@ -178,8 +178,10 @@ def test_prefill_share_while_decoding_keeps_tokens(quantization, greedy_prompts,
     )
     assert off[:4] == reference_tokens[:4]
     assert off_chunks == [len(long_prompt)]  # one chunk: the decodes wait behind all of it
-    # a fixed model, 1 ms a token: the 4 decodes take 4 ms of 20, chunks get 16 tokens
+    # a fixed model, 1 ms a token: the 4 decodes take 4 ms of 20, chunks get 16 tokens (the
+    # long prompt would be a short turn, admitted whole: short turns off)
     fixed = SchedulerConfig(
+        short_turn_tokens=0,
         decode_step_target_ms=20.0,
         decode_step_min_prefill_tokens=8,
         step_cost_model="fixed",

@@ -448,8 +448,14 @@ def test_constrained_greedy_identical_with_drafts(make_engine, call_prompt, max_
 def test_drafts_yield_while_a_prefill_is_chunked(yield_):
     # the fixed prior (45 ms + 1.9 ms a token + 5 ms a request) at the 200 ms target leaves
     # floor((200 - 45 - 1.9 - 10) / 1.9) = 75 tokens for "b" beside "a"'s decode; with
-    # drafts_yield_to_prefill "a" drafts only once "b" is no longer clipped
-    s = make_scheduler(num_blocks=60, drafts_yield_to_prefill=yield_, step_cost_model="fixed")
+    # drafts_yield_to_prefill "a" drafts only once "b" is no longer clipped ("b", 100 tokens, is
+    # clipped to the share as any turn with short_turn_tokens=0)
+    s = make_scheduler(
+        num_blocks=60,
+        drafts_yield_to_prefill=yield_,
+        step_cost_model="fixed",
+        short_turn_tokens=0,
+    )
     req = make_request("a", [5, 6, 7, 8, 1, 2, 3, 5, 6, 7, 8], max_tokens=20)
     s.add_request(req)
     run_step(s, {"a": [1]})

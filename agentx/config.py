@@ -164,9 +164,10 @@ class SchedulerConfig:
     # together) is then prefilled in a step or two and decodes at full speed, instead of
     # trickling in one per step with every step held at the target, and a burst never makes a
     # step longer than the share plus this. 0: off. 512, with the first-turn lanes below:
-    # measured back to back on Zen 2 (notes-2026-12-05), TTFT P50 on the random-id committed
-    # trace 2.40 -> 1.48 s at 4 sessions, below vLLM's; the price is the slowest decodes at 16+
-    # sessions on text (interactivity P90 5.3 -> 3.4 tok/s at 16, TPGS the same).
+    # measured back to back on Zen 2 (docs/BENCHMARKS.md), TTFT P50 on the random-id committed
+    # trace 2.40 -> 1.44 s at 4 sessions, 1.62 s at 8, 1.97 s at 16, each below vLLM's; the
+    # price is the slowest decodes at 16+ sessions on text (interactivity P90 5.3 -> 3.3-3.4
+    # tok/s at 16, TPGS the same).
     short_turn_tokens: int = 512
     # Drafts (SpeculativeConfig) are verified only in steps where every request's tokens
     # fit: while a turn waits or a prefill is chunked, the step's compute goes to it instead

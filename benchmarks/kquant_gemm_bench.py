@@ -24,14 +24,11 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import platform
-import subprocess
-import time
-from pathlib import Path
+from functools import partial
 
 import torch
 
-import agentx
+from agentx.bench.kernel_timing import add_timing_args, best_time, clock_of, header
 from agentx.kernels import cpu
 from agentx.kernels.ref import kquant
 
@@ -57,60 +54,23 @@ def random_weight(n: int, k: int, kind: int) -> torch.Tensor:
     return raw.reshape(n, -1)
 
 
-def time_call(x: torch.Tensor, w: torch.Tensor, kind: int, rounds: int, clock) -> float:
-    op = torch.ops.agentx.kquant_linear
-    op(x, w, kind, None)
-    best = float("inf")
-    for _ in range(rounds):
-        start = clock()
-        op(x, w, kind, None)
-        best = min(best, clock() - start)
-    return best
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def commit() -> str:
-    root = Path(agentx.__file__).parent.parent
-    out = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return out.stdout.strip() or "?"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="64,256,512", help="comma-separated M values")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--cpu-time",
-        action="store_true",
-        help="time the calling thread's CPU seconds (with --threads 1: steadier on a loaded box)",
-    )
+    add_timing_args(parser, rows="64,256,512", rounds=5)
     parser.add_argument(
         "--isa", default=None, help="comma-separated kernel ISAs, timed in turn (default: the best)"
     )
     args = parser.parse_args()
-    if args.cpu_time and args.threads != 1:
-        raise SystemExit("--cpu-time measures the calling thread only: use it with --threads 1")
-    clock = time.thread_time if args.cpu_time else time.perf_counter
+    clock = clock_of(args)
     if not cpu.available():
         raise SystemExit("the compiled CPU kernels are unavailable here")
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    print(
-        f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads, "
-        f"agentx {commit()} ({Path(agentx.__file__).parent}), torch {torch.__version__}"
-    )
     isas = args.isa.split(",") if args.isa else [cpu.get_isa()]
+    print(header(args.threads, ",".join(isas)))
     print("| shape | type | N x K | M | ISA | ms | GFLOP/s |")
     print("|---|---|---|---|---|---|---|")
+    op = torch.ops.agentx.kquant_linear
     gen = torch.Generator().manual_seed(1)
     for name, kind, n, k in SHAPES:
         w = random_weight(n, k, kind)
@@ -119,7 +79,7 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen)
             for isa in isas:
                 with cpu.use_isa(isa):
-                    best = time_call(x, w, kind, args.rounds, clock)
+                    best = best_time(partial(op, x, w, kind, None), args.rounds, clock)
                 gflops = 2 * m * n * k / best / 1e9
                 print(
                     f"| {name} | {type_name} | {n} x {k} | {m} | {isa} | {best * 1e3:.1f} "

@@ -22,14 +22,11 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import platform
-import subprocess
-import time
-from pathlib import Path
+from functools import partial
 
 import torch
 
-import agentx
+from agentx.bench.kernel_timing import add_timing_args, best_time, clock_of, header
 from agentx.kernels import cpu
 from agentx.kernels.ref import quant
 
@@ -43,63 +40,26 @@ SHAPES = (
 )
 
 
-def time_call(x: torch.Tensor, packed: tuple, bits: int, rounds: int, clock) -> float:
-    op = torch.ops.agentx.quantized_linear
-    op(x, *packed, None, bits)
-    best = float("inf")
-    for _ in range(rounds):
-        start = clock()
-        op(x, *packed, None, bits)
-        best = min(best, clock() - start)
-    return best
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def commit() -> str:
-    root = Path(agentx.__file__).parent.parent
-    out = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return out.stdout.strip() or "?"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="8,64,512", help="comma-separated M values")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument(
-        "--cpu-time",
-        action="store_true",
-        help="time the calling thread's CPU seconds (with --threads 1: steadier on a loaded box)",
-    )
+    add_timing_args(parser, rows="8,64,512", rounds=7)
     args = parser.parse_args()
-    if args.cpu_time and args.threads != 1:
-        raise SystemExit("--cpu-time measures the calling thread only: use it with --threads 1")
-    clock = time.thread_time if args.cpu_time else time.perf_counter
+    clock = clock_of(args)
     if not cpu.available():
         raise SystemExit("the compiled CPU kernels are unavailable here")
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    print(
-        f"# {cpu_name()}, {os.cpu_count()} CPUs, {args.threads} threads, ISA {cpu.get_isa()}, "
-        f"agentx {commit()} ({Path(agentx.__file__).parent}), torch {torch.__version__}"
-    )
+    print(header(args.threads, cpu.get_isa()))
     print("| shape | bits | N x K | M | ms | GFLOP/s |")
     print("|---|---|---|---|---|---|")
+    op = torch.ops.agentx.quantized_linear
     gen = torch.Generator().manual_seed(1)
     for name, bits, n, k in SHAPES:
         q, scale, mins = quant.quantize_weight(torch.randn(n, k, generator=gen), bits)
         packed = quant.pack_weight(q, scale, mins, bits)
         for m in rows:
             x = torch.randn(m, k, generator=gen)
-            best = time_call(x, packed, bits, args.rounds, clock)
+            best = best_time(partial(op, x, *packed, None, bits), args.rounds, clock)
             print(
                 f"| {name} | {bits} | {n} x {k} | {m} | {best * 1e3:.2f} "
                 f"| {2 * m * n * k / best / 1e9:.1f} |"

@@ -28,7 +28,7 @@ from functools import partial
 
 import torch
 
-from agentx.bench.kernel_timing import add_timing_args, best_time, clock_of, header
+from agentx.bench.kernel_timing import add_timing_args, best_time, header, timing_setup
 from agentx.kernels import cpu
 from agentx.kernels.ref import kquant
 
@@ -61,11 +61,9 @@ def main() -> None:
         "--isa", default=None, help="comma-separated kernel ISAs, timed in turn (default: the best)"
     )
     args = parser.parse_args()
-    clock = clock_of(args)
     if not cpu.available():
         raise SystemExit("the compiled CPU kernels are unavailable here")
-    torch.set_num_threads(args.threads)
-    rows = [int(r) for r in args.rows.split(",")]
+    clock, rows = timing_setup(args)
     isas = args.isa.split(",") if args.isa else [cpu.get_isa()]
     print(header(args.threads, ",".join(isas)))
     print("| shape | type | N x K | M | ISA | ms | GFLOP/s |")

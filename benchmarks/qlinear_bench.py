@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from agentx.bench.kernel_timing import add_timing_args, best_time, clock_of, header
+from agentx.bench.kernel_timing import add_timing_args, best_time, header, timing_setup
 from agentx.kernels import cpu
 from agentx.kernels.ref import quant
 
@@ -44,11 +44,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_timing_args(parser, rows="8,64,512", rounds=7)
     args = parser.parse_args()
-    clock = clock_of(args)
     if not cpu.available():
         raise SystemExit("the compiled CPU kernels are unavailable here")
-    torch.set_num_threads(args.threads)
-    rows = [int(r) for r in args.rows.split(",")]
+    clock, rows = timing_setup(args)
     print(header(args.threads, cpu.get_isa()))
     print("| shape | bits | N x K | M | ms | GFLOP/s |")
     print("|---|---|---|---|---|---|")

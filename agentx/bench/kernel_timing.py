@@ -31,6 +31,15 @@ def clock_of(args: argparse.Namespace) -> Callable[[], float]:
     return time.thread_time if args.cpu_time else time.perf_counter
 
 
+def timing_setup(args: argparse.Namespace) -> tuple[Callable[[], float], list[int]]:
+    """The clock (clock_of), torch's threads set to --threads, and --rows as integers."""
+    import torch
+
+    clock = clock_of(args)
+    torch.set_num_threads(args.threads)
+    return clock, [int(r) for r in args.rows.split(",")]
+
+
 def best_time(call: Callable[[], object], rounds: int, clock: Callable[[], float]) -> float:
     """One warm-up call, then the fastest of `rounds` timed calls, in seconds."""
     call()

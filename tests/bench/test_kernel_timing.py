@@ -6,6 +6,7 @@ import argparse
 import time
 
 import pytest
+import torch
 
 from agentx.bench import kernel_timing
 
@@ -28,6 +29,13 @@ def test_timing_flags_and_their_clock() -> None:
     assert kernel_timing.clock_of(args) is time.thread_time
     with pytest.raises(SystemExit, match="use it with --threads 1"):
         kernel_timing.clock_of(parser.parse_args(["--cpu-time"]))
+    threads = torch.get_num_threads()
+    try:
+        args = parser.parse_args(["--rows", "6,512", "--threads", "1"])
+        clock, rows = kernel_timing.timing_setup(args)
+        assert clock is time.perf_counter and rows == [6, 512] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_header_names_the_cpu_model_and_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:

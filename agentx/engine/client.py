@@ -43,7 +43,7 @@ _Control = Callable[[EngineCore], object]  # a release or pin, run by the loop b
 logger = logging.getLogger(__name__)
 
 
-class Engine(LoopBackend[tuple[Request, RequestStream]]):
+class Engine(LoopBackend[_Queued]):
     """agentx's own engine: the embedded default backend of every Session."""
 
     def __init__(
@@ -57,7 +57,7 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
         self.core.wait_when_idle = False  # the loop waits outside its step lock (_loop_once)
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
-        self._controls: list[Callable[[EngineCore], object]] = []  # run by the loop, in order
+        self._controls: list[_Control] = []  # run by the loop, in order
         self._orphans: deque[str] = deque()  # held KV to release, queued without a lock
         self._num_applying = 0  # controls the loop took and has not applied yet (under _cond)
         self._warmed_up = threading.Event()  # set when the loop's warm-up ended (or failed)
@@ -70,12 +70,12 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
 
     def _admit(
         self, rid: str, prompt: Prompt, sampling: SamplingParams, options: RequestOptions
-    ) -> tuple[RequestStream, tuple[Request, RequestStream]]:
+    ) -> tuple[RequestStream, _Queued]:
         request = self.core.make_request(rid, prompt, sampling, options=options)
         stream = RequestStream.for_sampling(rid, request.prompt_token_ids, request.sampling)
         return stream, (request, stream)
 
-    def _check_queued(self, rid: str, item: tuple[Request, RequestStream]) -> None:
+    def _check_queued(self, rid: str, item: _Queued) -> None:
         if rid in self.core.kv.held and item[0].held_kv != rid:
             # holding again under it would silently drop the KV the handle names
             raise InvalidRequestError(
@@ -161,7 +161,7 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
         with self._cond:
             return bool(self._controls or self._orphans or self._num_applying)
 
-    def _control(self, op: Callable[[EngineCore], object]) -> None:
+    def _control(self, op: _Control) -> None:
         with self._cond:
             if not self._closed:
                 self._controls.append(op)
@@ -254,7 +254,7 @@ class Engine(LoopBackend[tuple[Request, RequestStream]]):
             self._num_applying = len(controls)
         return new, aborts, controls
 
-    def _step(self, new: list[tuple[Request, RequestStream]], aborts: list[str]) -> None:
+    def _step(self, new: list[_Queued], aborts: list[str]) -> None:
         late_new, late_aborts, controls = self._take_controls()
         new, aborts = new + late_new, aborts + late_aborts
         try:

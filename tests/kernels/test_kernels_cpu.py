@@ -60,8 +60,10 @@ def test_quantized_linear_rows_are_independent(bits):
         alone = cpu.quantized_linear(x[r : r + 1], *packed, None, bits)
         assert torch.equal(alone[0], batch[r])  # bit for bit, whatever the batch
     assert torch.equal(cpu.quantized_linear(x[5:9], *packed, None, bits), batch[5:9])
-    # AVX2's int4 tiles take rows six at a time: 11 rows are a pass of 6 and one of 5
+    # AVX2's int4 tiles take rows six at a time (11 rows: a pass of 6 and one of 5); AVX-512's
+    # tile pairs up to six, split evenly (37 rows: 6, 6, 5, 5, 5, 5, 5; 8 rows: 4 and 4)
     assert torch.equal(cpu.quantized_linear(x[:11], *packed, None, bits), batch[:11])
+    assert torch.equal(cpu.quantized_linear(x[3:11], *packed, None, bits), batch[3:11])
 
 
 needs_avx512 = pytest.mark.skipif(

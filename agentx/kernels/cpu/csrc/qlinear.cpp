@@ -38,8 +38,9 @@ using qlinear::bcast4;
 using qlinear::kGroup;
 using qlinear::kRows;
 using qlinear::kTile;
-// rows a pass over an int4 tile's weights on AVX2 (int8 tiles and AVX-512 take kRows)
+// rows a pass over an int4 tile's weights on AVX2 (its int8 tiles take kRows)
 constexpr int kRowsInt4 = 6;
+using qlinear::kRowsWide;
 
 // Per row and group of 32: dx = amax / 127, xq = rint(x * 127 / amax), sx = dx * sum(xq).
 // Vectorized, with the scalar definition's exact results: the max and the integer sum are
@@ -227,9 +228,12 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   parallel_for(0, pairs + (tiles - 2 * pairs), 1, [&](int64_t u0, int64_t u1) {
     // work units: pairs [0, pairs), then single tiles 2 * pairs + (u - pairs)
     const int64_t p1 = std::min(u1, pairs);
-    for (int64_t r0 = 0; r0 < m && u0 < p1; r0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, m - r0);
-      float* out[kRows];
+    // AVX-512: passes of up to kRowsWide rows, the rows split evenly among them (8 rows: two
+    // passes of 4, not 6 and 2)
+    for (int64_t r0 = 0, rows; r0 < m && u0 < p1; r0 += rows) {
+      const int64_t passes = (m - r0 + kRowsWide - 1) / kRowsWide;
+      rows = (m - r0 + passes - 1) / passes;
+      float* out[kRowsWide];
       for (int64_t r = 0; r < rows; ++r) out[r] = y + (r0 + r) * ldy + 2 * u0 * kTile;
       quantized_tiles_avx512(rows, 2 * u0, 2 * p1, int4, wp, tile_bytes, sp, mp, xwide + r0 * k,
                              dxp + r0 * groups, sxp + r0 * groups, k, out);

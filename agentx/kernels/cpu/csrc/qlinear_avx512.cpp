@@ -23,7 +23,6 @@ namespace agentx {
 namespace {
 
 using qlinear::kGroup;
-using qlinear::kRows;
 using qlinear::kTile;
 using qlinear::bcast4_avx512;
 
@@ -146,6 +145,10 @@ AGENTX_AVX512 void run_rows(int64_t rows, bool int4, const uint8_t* w, int64_t t
                             const int8_t* xq, const float* dx, const float* sx, int64_t k,
                             float* const* out) {
   switch (rows) {
+    case 6: run_pairs<6, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+      break;
+    case 5: run_pairs<5, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+      break;
     case 4: run_pairs<4, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
       break;
     case 3: run_pairs<3, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
@@ -168,16 +171,16 @@ bool cpu_has_avx512_vnni() {
   return has;
 }
 
-// Tiles [t0, t1) of y rows [r0, r0 + rows) (rows <= 4); out[r]: row r's first column of the
-// tile t0 (16 (t1 - t0) / 2 floats). t1 - t0 is even. xq: signed activations for int4 and
-// offset ones (xq ^ 0x80) for int8.
+// Tiles [t0, t1) of y rows [r0, r0 + rows) (rows <= kRowsWide); out[r]: row r's first column
+// of the tile t0 (16 (t1 - t0) / 2 floats). t1 - t0 is even. xq: signed activations for int4
+// and offset ones (xq ^ 0x80) for int8.
 AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, bool int4,
                                           const uint8_t* w, int64_t tile_bytes,
                                           const float* scale, const float* mins,
                                           const int8_t* xq, const float* dx, const float* sx,
                                           int64_t k, float* const* out) {
   const int64_t groups = k / kGroup, tile_floats = groups * kTile;
-  float* o[kRows];
+  float* o[qlinear::kRowsWide];
   int64_t t = t0;
   for (; t + 4 <= t1; t += 4) {
     for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;

@@ -22,8 +22,8 @@ namespace qlinear {
 constexpr int64_t kGroup = 32;  // input features sharing one scale (and min)
 constexpr int64_t kTile = 8;    // output columns a packed tile holds: one per 32-bit lane
 constexpr int kRows = 4;        // activation rows one pass over a tile's weights serves
-// rows one pass over an AVX-512 pair of tiles serves: 6 (30 of the 32 zmm registers for int4)
-// ran 1-3% faster than 4 on Zen 4's int4 layers at 16-512 rows, its int8 LM head up to 15%
+// rows one pass over an AVX-512 pair of tiles serves: 6 (31 of the 32 zmm registers for int4)
+// ran 0-2% faster than 4 on Zen 4's int4 layers at 16-512 rows, its int8 LM head 2-11%
 constexpr int kRowsWide = 6;
 
 // Bytes of one packed tile over k input features: int4 packs two weights a byte.

@@ -57,6 +57,11 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int = 2 << 30
     enable_prefix_caching: bool = True
+    # A prefix hit goes on past its last whole block: the tokens a prompt shares with the start
+    # of a cached block are copied into a block of its own, not computed again (one
+    # full-attention group: not Gemma 3's sliding window, not a hybrid's linear state).
+    # False: hits are whole blocks.
+    partial_block_hits: bool = True
     # Which block boundaries of a linear-attention state are checkpointed (kv_cache/retention.py):
     # "interval" (the prompt end of each turn plus every ``prefix_cache_retention_interval``
     # tokens; 0: only the latest boundary), "marconi" (shared prefixes, the second time they

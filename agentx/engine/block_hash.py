@@ -22,6 +22,7 @@ __all__ = [
     "extend_block_hashes",
     "hash_block",
     "hash_partial_block",
+    "parent_key",
     "salt_key",
 ]
 
@@ -46,6 +47,12 @@ def hash_block(
     h.update(array("q", token_ids).tobytes())
     h.update(extra_keys)
     return h.digest()
+
+
+def parent_key(block_hashes: Sequence[BlockHash], index: int, extra_keys: bytes = b"") -> BlockHash:
+    """The key block ``index``'s siblings share: the previous block's hash, or for the first
+    block a root key of the extra keys (longer than a digest, so it equals no block's hash)."""
+    return block_hashes[index - 1] if index > 0 else b"\0" * (_DIGEST_BYTES + 1) + extra_keys
 
 
 def extend_block_hashes(

@@ -98,6 +98,7 @@ class EngineCore:
             make_retention(cache.retention_policy, cache.prefix_cache_retention_interval),
             _make_policy(cache.kv_policy),
             cache.kv_policy_errors,
+            partial_hits=cache.partial_block_hits,
         )
         self.scheduler = Scheduler(
             config.scheduler, self.kv, self.max_model_len, step_clock=step_clock
@@ -330,6 +331,7 @@ class EngineCore:
         (``is_idle`` says the step was idle)."""
         self._requeue(self.offload.poll() + self.offload.take_ready())
         sched_out = self.scheduler.schedule()
+        self.runner.copy_blocks(sched_out.block_copies)  # partial hits' shared tokens
         self.is_idle = sched_out.is_empty
         if sched_out.is_empty:
             self.runner.forget(sched_out.finished_request_ids)
@@ -402,6 +404,7 @@ class EngineCore:
             prefix_cache_queries=kv.stats.num_queries,
             prefix_cache_query_tokens=kv.stats.num_query_tokens,
             num_cached_tokens=kv.stats.num_hit_tokens,
+            num_copied_tokens=kv.stats.num_copied_tokens,
             num_computed_tokens=s.num_computed_tokens,
             num_generated_tokens=s.num_generated_tokens,
             kv_num_blocks=kv.pool.num_blocks - 1,

@@ -67,10 +67,20 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy one block's KV (every layer of its group) before the destination is used."""
+
+    src_block_id: int
+    dst_block_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     finished_request_ids: frozenset[str]  # the runner drops their state
+    # partial prefix hits' block copies (kv_cache/manager.py), run in order before the forward
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -169,6 +179,8 @@ class EngineStats:
     offload_num_prefetches: int = 0  # sessions brought back before their tool returned
     num_draft_tokens: int = 0  # tokens drafted from context and verified (engine/draft.py)
     num_accepted_tokens: int = 0  # of those, accepted: tokens a step gained over one
+    # of num_cached_tokens, those copied from a partly shared cached block (a partial hit)
+    num_copied_tokens: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float:

@@ -40,6 +40,7 @@ _COUNTERS = frozenset(
         "offload_num_prefetches",
         "num_draft_tokens",
         "num_accepted_tokens",
+        "num_copied_tokens",
     }
 )
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)

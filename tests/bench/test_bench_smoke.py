@@ -93,4 +93,5 @@ def test_agentx_worker_speaks_the_protocol():
     first, second = asyncio.run(go())
     assert sum(e.n for e in first if isinstance(e, Tokens)) == 3
     assert first[-1] == Done(3, 0)
-    assert second[-1] == Done(2, 32)  # two full 16-token blocks of the same prompt
+    # the same prompt: every token but the last (two whole 16-token blocks, then 7 copied)
+    assert second[-1] == Done(2, 39)

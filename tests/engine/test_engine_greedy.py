@@ -104,14 +104,17 @@ def test_prefix_cache_hit_keeps_tokens(make_engine_q, greedy_prompts, reference_
     assert all(g.usage.cached_tokens == 0 for g in cold)
     warm = engine.generate(greedy_prompts, GREEDY)
     for g, prompt in zip(warm, greedy_prompts, strict=True):
-        # every full block of the prompt is reused; the last token is always recomputed
-        assert g.usage.cached_tokens == (len(prompt) - 1) // 16 * 16
+        # every token but the last is reused (whole blocks, then the start of a partly shared
+        # one, copied); the last is always recomputed
+        assert g.usage.cached_tokens == len(prompt) - 1
     assert [g.token_ids for g in warm] == reference_tokens
-    # a continuation that re-sends prompt + output hits the output blocks as well
+    # a continuation that re-sends prompt + output hits the output as well: every token the
+    # last turn computed (its partial last block, kept when it ended, copied); its last
+    # sampled token never ran
     turn2 = [p + g.token_ids + [198] for p, g in zip(greedy_prompts, warm, strict=True)]
     gens = engine.generate(turn2, SamplingParams(max_tokens=8, ignore_eos=True))
     for g, prompt in zip(gens, turn2, strict=True):
-        assert g.usage.cached_tokens == (len(prompt) - 2) // 16 * 16
+        assert g.usage.cached_tokens == len(prompt) - 2
     stats = engine.stats()
     assert stats.num_cached_tokens == sum(g.usage.cached_tokens for g in warm + gens)
     engine.check_integrity()

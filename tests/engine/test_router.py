@@ -211,7 +211,9 @@ def test_a_waiting_session_migrates_with_its_kv_through_a_shared_disk_tier(tmp_p
         migrated = stream.result(timeout=300)
         assert moved == 1 and migrated.usage.cached_tokens == 176  # loaded, not recomputed
         stay = router.replicas[0].add_request(turn2, GREEDY).result(timeout=300)
-        assert stay.usage.cached_tokens == 176 and migrated.token_ids == stay.token_ids
+        # at home the first turn's partial last block is cached too: its 9 tokens are copied
+        # (the tiers hold whole blocks)
+        assert stay.usage.cached_tokens == 185 and migrated.token_ids == stay.token_ids
         dst = router.replicas[1]
         assert dst.stats().offload_loaded_blocks == 11
         assert dst.core.offload.store.num_hits == {"disk": 11}
@@ -255,7 +257,8 @@ def test_a_subagent_first_turn_goes_to_its_parents_replica():
         blocker = _overload(router, 0)  # the parent's replica is one request busier
         fork, stream = router.route(context + [13, 42], GREEDY, session_id="p/sub-0")
         sub = stream.result(timeout=300)
-        assert fork == 0 and sub.usage.cached_tokens == 176  # the parent's blocks
+        # every token the parent computed: its 11 whole blocks, then its partial last one's 9
+        assert fork == 0 and sub.usage.cached_tokens == 185
         other = tok.encode("A recipe for bread and butter " * 30)[:180]
         cold, stream = router.route(other, GREEDY, session_id="q")  # no prefix anywhere
         assert cold == 1 and stream.result(timeout=300).usage.cached_tokens == 0

@@ -10,9 +10,9 @@ BLOCK_SIZE = 4
 FULL = FullAttentionSpec(BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32)
 
 
-def make_manager(num_blocks: int, caching: bool = True) -> KVCacheManager:
+def make_manager(num_blocks: int, caching: bool = True, partial_hits: bool = False):
     layout = KVCacheLayout(num_blocks, (KVCacheGroup(FULL, (0,)),))
-    return KVCacheManager(layout, enable_caching=caching)
+    return KVCacheManager(layout, enable_caching=caching, partial_hits=partial_hits)
 
 
 def make_request(rid: str, token_ids: list[int], max_tokens: int = 8, **kw) -> Request:

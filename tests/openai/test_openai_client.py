@@ -159,7 +159,9 @@ async def test_twelve_turn_resent_conversation_computes_only_new_tokens(engine, 
 
 
 async def test_n_choices_fork_the_held_conversation(engine, client):
-    history = [{"role": "user", "content": "Name a color."}]
+    # sent nowhere else: no other request computed this conversation's tokens, so the held KV
+    # is the longest hit (test_session.py sends "Name a color." to the same engine)
+    history = [{"role": "user", "content": "Name a color for a boat."}]
     first = await client.chat.completions.create(messages=history, max_tokens=6, **GREEDY)
     history += [reply_message(first), {"role": "user", "content": "Two more."}]
     reply = await client.chat.completions.create(

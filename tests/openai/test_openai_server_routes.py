@@ -297,7 +297,8 @@ async def test_tenants_never_share_cached_prefixes(server):  # issue 36.5
 
 async def test_a_tenant_cannot_continue_another_tenants_conversation(server):  # issue 36.5
     """Tenant b re-sends tenant a's whole conversation (a's reply included): a's held KV is
-    not b's to continue, nor is any block of it."""
+    not b's to continue, nor is any block of it. b is a fresh tenant (its key and a cache key
+    sent nowhere else): any cached token it got would be a's."""
     system = "You are a careful assistant for the ZETA billing team. " * 8  # sent here only
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi."}]
     a, b = make_client(server, KEYS[0]), make_client(server, KEYS[1])
@@ -305,7 +306,12 @@ async def test_a_tenant_cannot_continue_another_tenants_conversation(server):  #
         first = await a.chat.completions.create(messages=messages, max_tokens=4, **GREEDY)
         reply = {"role": "assistant", "content": first.choices[0].message.content}
         history = [*messages, reply, {"role": "user", "content": "Thanks."}]
-        theirs = await b.chat.completions.create(messages=history, max_tokens=4, **GREEDY)
+        theirs = await b.chat.completions.create(
+            messages=history,
+            max_tokens=4,
+            extra_body={"prompt_cache_key": "issue-36.5"},
+            **GREEDY,
+        )
         ours = await a.chat.completions.create(messages=history, max_tokens=4, **GREEDY)
         assert theirs.usage.prompt_tokens_details.cached_tokens == 0
         assert ours.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens

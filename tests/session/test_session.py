@@ -35,7 +35,7 @@ def prompt_ids(session):
 async def test_turns_continue_from_the_held_kv(default_engine):
     async with Session(default_engine, sampling=SHORT) as s:
         r1 = await s.send("Name a color.")
-        assert r1.usage.cached_tokens == 0 or r1.usage.cached_tokens % 16 == 0
+        assert r1.usage.cached_tokens < r1.usage.prompt_tokens  # its last token always runs
         assert r1.usage.prompt_tokens == r1.usage.cached_tokens + r1.usage.computed_tokens
         previous = r1.usage.prompt_tokens + r1.usage.output_tokens
         for follow_up in ("Another one.", "And one more."):
@@ -203,10 +203,12 @@ async def test_hints_priority_pin_release(make_engine):
     b.hint(release=True)
     cached_before = engine.stats().kv_num_cached_blocks
     await b.close()
+    # b's blocks were dropped from the cache (a's and c's, released below, stay cached: their
+    # partial last blocks too)
+    assert wait_idle(engine).kv_num_cached_blocks < cached_before
     await a.close()
     await c.close()
     stats = wait_idle(engine)
-    assert stats.kv_num_cached_blocks < cached_before  # b's blocks were dropped from the cache
     assert stats.kv_num_used_blocks == 0
 
 

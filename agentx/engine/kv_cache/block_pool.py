@@ -13,6 +13,14 @@ neither. A soft pin (a KV policy's decision, ``soft_pin``) is a property of cach
 ends when the block's hash is dropped. A block that
 holds cached content keeps its hash while free, so a later request can revive it with ``touch``.
 Block 0 is the null block: never allocated, used as padding in block tables.
+
+Partial hits: a cached block published with its token ids (``cache_block(..., parent_key,
+token_ids)``) is also indexed under its parent's key (so is a freed request's partial last
+block, under a key of its computed tokens that no full block's hash equals), so a prompt that
+shares only the first tokens of the block after its last full hit can copy them
+(``find_partial``) instead of computing them again. A block published in the current step
+(``begin_step``) is no source yet: its KV is written by the step that published it, after
+any copy runs.
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ class KVBlock:
     next_free: KVBlock | None = field(default=None, repr=False)
     is_null: bool = False
     soft_pinned: bool = False
+    # set while the block is a partial-hit source (BlockPool.children): its parent's pool key,
+    # its token ids and the step that published it
+    parent_key: BlockHash | None = field(default=None, repr=False)
+    token_ids: tuple[int, ...] | None = field(default=None, repr=False)
+    cached_step: int = field(default=0, repr=False)
 
 
 class FreeBlockQueue:
@@ -98,6 +111,10 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK_ID + 1 :])
         self.pinned_queue = FreeBlockQueue(())  # free soft-pinned cached blocks
         self.cached: dict[BlockHash, KVBlock] = {}
+        # (parent pool key, first token) -> {block id: cached block published with its token
+        # ids}: a lookup reads only the blocks that share a token with the prompt
+        self.children: dict[tuple[BlockHash, int], dict[int, KVBlock]] = {}
+        self.step = 0  # begin_step() counts; a partial source must predate the current one
         self.num_evictions = 0
         # blocks published since the last take_published(), for the offload tiers (None: off)
         self.published: list[tuple[BlockHash, KVBlock]] | None = None
@@ -158,16 +175,50 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Publish a full, computed block under ``block_hash`` (first writer wins)."""
+    def begin_step(self) -> None:
+        """A new step is being scheduled: blocks published from now on are written by it."""
+        self.step += 1
+
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        parent_key: BlockHash | None = None,
+        token_ids: tuple[int, ...] | None = None,
+        publish: bool = True,
+    ) -> None:
+        """Publish a full, computed block under ``block_hash`` (first writer wins); with
+        ``token_ids``, also as a partial-hit source under ``parent_key``. ``publish=False``:
+        a partial block's tokens under a key no full block has (a source only), left out of the
+        log the offload tiers store from."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
             return  # another request computed the same content; this copy stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        if self.published is not None:
+        if token_ids is not None and parent_key is not None:
+            block.parent_key, block.token_ids, block.cached_step = parent_key, token_ids, self.step
+            self.children.setdefault((parent_key, token_ids[0]), {})[block.block_id] = block
+        if self.published is not None and publish:
             self.published.append((block_hash, block))
+
+    def find_partial(
+        self, parent_key: BlockHash, token_ids: list[int] | tuple[int, ...]
+    ) -> tuple[KVBlock | None, int]:
+        """The cached block under ``parent_key`` whose token ids share the longest prefix with
+        ``token_ids`` (the first such block on a tie), and that prefix's length; (None, 0)
+        when none shares a token. Blocks published in the current step are left out."""
+        best, best_len = None, 0
+        if not token_ids:
+            return best, best_len
+        for block in self.children.get((parent_key, token_ids[0]), {}).values():
+            if block.cached_step == self.step:
+                continue
+            n = _common_prefix(block.token_ids, token_ids)
+            if n > best_len:
+                best, best_len = block, n
+        return best, best_len
 
     def take_published(self) -> list[tuple[BlockHash, KVBlock]]:
         """Drain the (hash, block) pairs published since the last call, still cached as such."""
@@ -227,6 +278,13 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None
+        if block.token_ids is not None:
+            key = (block.parent_key, block.token_ids[0])
+            siblings = self.children[key]
+            del siblings[block.block_id]
+            if not siblings:
+                del self.children[key]
+            block.parent_key = block.token_ids = None
         self.num_evictions += 1
 
     def reset_prefix_cache(self) -> bool:
@@ -239,7 +297,9 @@ class BlockPool:
         for block in self.blocks[1:]:
             block.block_hash = None
             block.soft_pinned = False
+            block.parent_key = block.token_ids = None
         self.cached.clear()
+        self.children.clear()
         return True
 
     def check_integrity(self) -> None:
@@ -263,3 +323,28 @@ class BlockPool:
             assert block.block_hash == block_hash, f"block {block.block_id} hash index is stale"
         num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
         assert num_hashed == len(self.cached), "a hashed block is missing from the index"
+        for (parent_key, first), siblings in self.children.items():
+            assert siblings, "an empty partial-source entry"
+            for block_id, block in siblings.items():
+                assert block.block_id == block_id and block.parent_key == parent_key, (
+                    f"block {block_id}: stale partial-source entry"
+                )
+                assert block.token_ids and block.token_ids[0] == first, (
+                    f"block {block_id}: filed under another first token"
+                )
+                assert block.block_hash is not None and self.cached[block.block_hash] is block, (
+                    f"block {block_id} is a partial source without cached content"
+                )
+        num_sources = sum(1 for b in self.blocks if b.token_ids is not None)
+        assert num_sources == sum(len(s) for s in self.children.values()), (
+            "a partial source is missing from the index"
+        )
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

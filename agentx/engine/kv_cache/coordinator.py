@@ -26,7 +26,12 @@ from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.linear_state import LinearStateManager  # registers its spec
 from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
 from agentx.engine.kv_cache.retention import RetentionPolicy
-from agentx.engine.kv_cache.single_type import SingleTypeKVManager, _num_revived, make_manager
+from agentx.engine.kv_cache.single_type import (
+    FullAttentionManager,
+    SingleTypeKVManager,
+    _num_revived,
+    make_manager,
+)
 from agentx.engine.kv_cache.specs import KVCacheLayout
 from agentx.engine.request import Request
 
@@ -61,6 +66,13 @@ class KVCacheCoordinator:
             make_manager(g.spec, self.pool, i, retention) for i, g in enumerate(layout.groups)
         )
         self.has_linear = any(isinstance(m, LinearStateManager) for m in self.managers)
+        # whether a partial hit can be taken: it copies the first tokens of one cached block,
+        # so one full-attention group (a sliding window or a linear state needs more)
+        self.partial_hits = (
+            enable_caching
+            and len(self.managers) == 1
+            and isinstance(self.managers[0], FullAttentionManager)
+        )
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int

@@ -28,13 +28,14 @@ again. A fan-out under pressure therefore never recomputes the context its forks
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks
 from agentx.engine.kv_cache.policy import HeldCandidate, default_eviction_order
 from agentx.engine.kv_cache.policy_guard import KVPolicyGuard
+from agentx.engine.outputs import BlockCopy
 
 
 @dataclass(slots=True, eq=False)
@@ -59,14 +60,6 @@ class HeldKV:
         return self.pinned or self.forks_left > 0 or self.fork_pending
 
 
-@dataclass(frozen=True, slots=True)
-class BlockCopy:
-    """Copy one block's KV (every layer of its group) before the destination is used."""
-
-    src_block_id: int
-    dst_block_id: int
-
-
 class HeldKVManager:
     """Handles -> held KV, drawing on the shared pool. Callers hold the engine step."""
 
@@ -81,6 +74,9 @@ class HeldKVManager:
         # handle -> when its session is expected back (a tool latency hint): under pressure,
         # the held KV expected back last is released first (its blocks live on in the tiers)
         self.expected_return: dict[str, float] = {}
+        # called with held KV about to be released (the KV manager keeps its tail as a
+        # partial-hit source)
+        self.on_release: Callable[[HeldKV], None] | None = None
 
     def __contains__(self, handle: str) -> bool:
         return handle in self._held
@@ -124,6 +120,8 @@ class HeldKVManager:
         held = self._held.pop(handle, None)
         if held is None:
             return False
+        if self.on_release is not None and not drop_cached:
+            self.on_release(held)  # before its blocks go back: a tail it alone holds
         blocks = [b for group in held.blocks for b in reversed(group)]
         self.pool.free_blocks(blocks)
         if drop_cached:

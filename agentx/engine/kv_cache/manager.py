@@ -12,6 +12,11 @@ prefix-cache statistics. It does not know how requests are ordered or what the m
 
 A prefix hit comes from the prefix cache (full blocks, by hash) or, when the request names
 held KV in ``held_kv``, from that held KV (every block, the partial tail too); the longer wins.
+With ``partial_hits``, a cache hit goes on past its full blocks into the next one: the first
+tokens of a cached block under the same parent that the prompt shares (block_pool.py) are
+copied into the request's own block (``take_block_copies``: the engine runs the copies before
+the step's forward) rather than computed again; prompts whose shared prefix ends mid-block
+(text joined then tokenized, a chat turn after the last one's partial block) lose no tokens.
 
 Every KV policy decision (policy.py) reaches the cache through ``self.policy``, the guard that
 validates it before anything here applies it.
@@ -22,7 +27,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from agentx.engine.block_hash import BlockHash
+from agentx.engine.block_hash import (
+    BlockHash,
+    extend_block_hashes,
+    hash_partial_block,
+    parent_key,
+)
 from agentx.engine.hints import BranchPoint, TurnsLeft
 from agentx.engine.kv_cache.block_pool import KVBlock
 from agentx.engine.kv_cache.coordinator import GroupBlocks, KVCacheCoordinator, TierHit
@@ -40,6 +50,8 @@ class KVCacheBlocks:
 
     blocks: GroupBlocks
     held_kv: str | None = None  # the blocks are this held KV's, moving to the request
+    # a partial hit: the cached block whose first tokens the hit's last ones are copied from
+    partial_src: KVBlock | None = None
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -54,6 +66,7 @@ class PrefixCacheStats:
     num_queries: int = 0  # requests that looked up the cache
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
+    num_copied_tokens: int = 0  # of the hit tokens, those copied by partial hits
     num_dropped_checkpoints: int = 0  # planned linear checkpoints the pool had no room for
 
 
@@ -65,10 +78,13 @@ class KVCacheManager:
         retention: RetentionPolicy | None = None,
         policy: KVPolicy | None = None,
         policy_errors: str = "fallback",
+        partial_hits: bool = False,
     ) -> None:
         """``policy`` makes the KV decisions (None: ``retention``, whose other hooks are the
         built-in ones); ``retention`` also plans checkpoints where the policy defers or fails
-        (None: the rolling latest boundary). ``policy_errors``: see ``KVPolicyGuard``."""
+        (None: the rolling latest boundary). ``policy_errors``: see ``KVPolicyGuard``.
+        ``partial_hits``: hits go on into a partly shared block (one full-attention group
+        only; elsewhere hits stay whole blocks)."""
         self.layout = layout
         self.block_size = layout.block_size
         self.enable_caching = enable_caching
@@ -80,6 +96,11 @@ class KVCacheManager:
         self.pool = self.coordinator.pool
         self.held = HeldKVManager(self.pool, self.block_size, self.policy)
         self.stats = PrefixCacheStats()
+        self.partial_hits = partial_hits and self.coordinator.partial_hits
+        self.coordinator.managers[0].partial_sources = self.partial_hits
+        self._copies: list[BlockCopy] = []  # partial hits' copies for the step being scheduled
+        if self.partial_hits:
+            self.held.on_release = self._keep_held_tail
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +128,14 @@ class KVCacheManager:
                 request.block_hashes, max_length
             )
             hit = KVCacheBlocks(blocks)
+            if self.partial_hits and num_hit < max_length:
+                index = num_hit // self.block_size
+                parent = parent_key(request.block_hashes, index, request.cache_salt)
+                tokens = request.all_token_ids[num_hit : min(num_hit + self.block_size, max_length)]
+                src, num_shared = self.pool.find_partial(parent, tokens)
+                if src is not None:
+                    hit = KVCacheBlocks(blocks, partial_src=src)
+                    num_hit += num_shared
         held = self.held.get(request.held_kv)
         # held KV is another request's cache: a request of another salt never sees it (its
         # cached-token count would tell whether that context starts with a guessed prefix)
@@ -156,6 +185,12 @@ class KVCacheManager:
         if new_computed_blocks is not None and new_computed_blocks.held_kv is not None:
             self.held.release(new_computed_blocks.held_kv)  # its references moved to rid
         new_blocks = self.coordinator.allocate_new_blocks(request, num_total, keep)
+        if new_computed_blocks is not None and new_computed_blocks.partial_src is not None:
+            # the hit's partly shared block is the request's first new one: its shared tokens
+            # come from the source, the rest are computed into it
+            dst = new_blocks[0][0]
+            self._copies.append(BlockCopy(new_computed_blocks.partial_src.block_id, dst.block_id))
+            self.stats.num_copied_tokens += num_new_computed_tokens % self.block_size
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_total)
         if new_computed_blocks is not None:
@@ -163,6 +198,17 @@ class KVCacheManager:
             self.stats.num_query_tokens += request.num_tokens
             self.stats.num_hit_tokens += num_new_computed_tokens
         return KVCacheBlocks(new_blocks)
+
+    def begin_step(self) -> None:
+        """A step is being scheduled (blocks published from now on are no partial source yet:
+        their KV is written by this step, after its copies run)."""
+        self.pool.begin_step()
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        """The partial hits' block copies since the last call, in order; the engine runs them
+        before the step's forward (a copy may read a block a later one, or the forward, writes)."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _fit(
         self, request: Request, num_total: int, computed: GroupBlocks, reclaim_held: bool
@@ -214,7 +260,38 @@ class KVCacheManager:
         self.coordinator.remove_skipped_blocks(rid, num_computed)
         # a request preempted in the step that scheduled it published blocks it never computed
         self.coordinator.uncache_uncomputed(rid, num_computed)
+        if self.partial_hits and num_computed % self.block_size:
+            index = num_computed // self.block_size
+            blocks = self.coordinator.get_blocks(rid)[0]
+            if index < len(blocks):
+                tokens = request.all_token_ids[index * self.block_size : num_computed]
+                parent = parent_key(request.block_hashes, index, request.cache_salt)
+                self._keep_tail(blocks[index], parent, tokens, request.cache_salt)
         self.coordinator.free(rid)
+
+    def _keep_held_tail(self, held: HeldKV) -> None:
+        index, num_tail = divmod(held.num_tokens, self.block_size)
+        if num_tail == 0:
+            return
+        hashes: list[BlockHash] = []
+        extend_block_hashes(
+            hashes, held.token_ids[: index * self.block_size], self.block_size, held.cache_salt
+        )
+        tokens = held.token_ids[index * self.block_size :]
+        parent = parent_key(hashes, index, held.cache_salt)
+        self._keep_tail(held.blocks[0][index], parent, tokens, held.cache_salt)
+
+    def _keep_tail(
+        self, block: KVBlock, parent: BlockHash, token_ids: list[int], cache_salt: bytes
+    ) -> None:
+        """A partial last block about to be freed stays a partial-hit source, cached under a
+        key of its computed tokens (evicted as any cached block is), when nobody else holds it:
+        a later prompt that repeats these tokens (the next chat turn) copies them."""
+        if block.is_null or block.ref_cnt != 1 or block.block_hash is not None:
+            return
+        tokens = tuple(token_ids)
+        key = hash_partial_block(parent, tokens, cache_salt)
+        self.pool.cache_block(block, key, parent, tokens, publish=False)
 
     def trim_slots(self, request: Request) -> int:
         """Release the blocks past the request's computed tokens: the slots of drafts that

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from agentx.engine.block_hash import BlockHash
+from agentx.engine.block_hash import BlockHash, parent_key
 from agentx.engine.kv_cache.block_pool import BlockPool, KVBlock
 from agentx.engine.kv_cache.retention import RetentionPolicy
 from agentx.engine.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
@@ -42,6 +42,9 @@ class SingleTypeKVManager(ABC):
         self.group_id = group_id
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # publish blocks with their token ids, as partial-hit sources (the coordinator sets it
+        # where a partial hit is possible: one full-attention group)
+        self.partial_sources = False
 
     def key(self, block_hash: BlockHash) -> BlockHash:
         """The pool key of this group's block for ``block_hash`` (group 0: the hash itself)."""
@@ -103,10 +106,17 @@ class SingleTypeKVManager(ABC):
         num_done = self.num_cached_blocks.get(rid, 0)
         if num_full <= num_done:
             return
-        blocks = self.req_to_blocks[rid]
+        blocks, hashes = self.req_to_blocks[rid], request.block_hashes
+        size, tokens = self.block_size, request.all_token_ids
         for i in range(num_done, num_full):
-            if not blocks[i].is_null:
-                self.pool.cache_block(blocks[i], self.key(request.block_hashes[i]))
+            if blocks[i].is_null:
+                continue
+            if self.partial_sources:
+                parent = parent_key(hashes, i, request.cache_salt)
+                own = tuple(tokens[i * size : (i + 1) * size])
+                self.pool.cache_block(blocks[i], self.key(hashes[i]), parent, own)
+            else:
+                self.pool.cache_block(blocks[i], self.key(hashes[i]))
         self.num_cached_blocks[rid] = num_full
 
     def take(self, request_id: str) -> list[KVBlock]:

@@ -208,6 +208,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.begin_step()
         self._chunk_share = self._get_chunk_share()
         self._window_open = self.cadence.tick()
         budget = _StepBudget(
@@ -490,7 +491,8 @@ class Scheduler:
             self.num_computed_tokens += num_new + len(drafts)
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         self.num_steps += 1
-        return SchedulerOutput(items, sum(len(s.token_ids) for s in items), finished)
+        copies = self.kv.take_block_copies()
+        return SchedulerOutput(items, sum(len(s.token_ids) for s in items), finished, copies)
 
     def update_from_output(
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -2,6 +2,9 @@
 decode, are held, forked, continued, released and freed in any order, under a pool small
 enough that held KV is reclaimed (evicted) to make room; ``check_integrity()`` holds after
 every step, and nothing is left used once every request is freed and every handle released.
+With partial hits (``PartialHitsMachine``) steps begin and end too: every copy a hit asks for
+reads a block published before the step, holding the tokens the hit counts as cached, and
+writes the block the request computes next.
 
 Deterministic (``derandomize``): 100 runs of up to 30 steps, a few seconds. The offload tiers
 join in ``tests/engine/offload/test_offload_stateful.py``."""
@@ -30,20 +33,40 @@ tokens = st.lists(st.integers(0, 3), min_size=1, max_size=14)
 class KVManagerMachine(RuleBasedStateMachine):
     held = Bundle("held")
 
+    partial_hits = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = make_manager(NUM_BLOCKS)
+        self.kv = make_manager(NUM_BLOCKS, partial_hits=self.partial_hits)
         self.running: dict[str, object] = {}
         self.ids = itertools.count()
 
     def _admit(self, prompt: list[int], held_kv: str | None = None) -> None:
         request = make_request(f"r{next(self.ids)}", prompt, hold_kv=True, held_kv=held_kv)
         hit, num_hit = self.kv.get_computed_blocks(request)
+        src = hit.partial_src
+        if src is not None:
+            start = num_hit - num_hit % 4  # a partial hit ends inside a block
+            assert src.cached_step < self.kv.pool.step and src.block_hash is not None
+            assert list(src.token_ids[: num_hit - start]) == prompt[start:num_hit]
         if self.kv.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit) is None:
             assert self.kv.get_blocks(request.request_id).get_block_ids() == ([],)
+            assert self.kv.take_block_copies() == []
             return  # the pool cannot hold it now: nothing changed for it
+        copies = self.kv.take_block_copies()
+        if src is None:
+            assert copies == []
+        else:
+            blocks = self.kv.get_block_ids(request.request_id)[0]
+            assert [(c.src_block_id, c.dst_block_id) for c in copies] == [
+                (src.block_id, blocks[start // 4])
+            ]
         request.num_computed_tokens = request.num_tokens
         self.running[request.request_id] = request
+
+    @rule()
+    def next_step(self):
+        self.kv.begin_step()
 
     @rule(prompt=tokens)
     def start(self, prompt):
@@ -124,3 +147,11 @@ KVManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_kv_manager_state_machine = KVManagerMachine.TestCase
+
+
+class PartialHitsMachine(KVManagerMachine):
+    partial_hits = True
+
+
+PartialHitsMachine.TestCase.settings = KVManagerMachine.TestCase.settings
+test_kv_manager_partial_hits_state_machine = PartialHitsMachine.TestCase

@@ -261,35 +261,36 @@ class KVCacheManager:
         # a request preempted in the step that scheduled it published blocks it never computed
         self.coordinator.uncache_uncomputed(rid, num_computed)
         if self.partial_hits and num_computed % self.block_size:
-            index = num_computed // self.block_size
+            computed = request.all_token_ids[:num_computed]
             blocks = self.coordinator.get_blocks(rid)[0]
-            if index < len(blocks):
-                tokens = request.all_token_ids[index * self.block_size : num_computed]
-                parent = parent_key(request.block_hashes, index, request.cache_salt)
-                self._keep_tail(blocks[index], parent, tokens, request.cache_salt)
+            self._keep_tail(blocks, computed, request.block_hashes, request.cache_salt)
         self.coordinator.free(rid)
 
     def _keep_held_tail(self, held: HeldKV) -> None:
-        index, num_tail = divmod(held.num_tokens, self.block_size)
-        if num_tail == 0:
-            return
         hashes: list[BlockHash] = []
-        extend_block_hashes(
-            hashes, held.token_ids[: index * self.block_size], self.block_size, held.cache_salt
-        )
-        tokens = held.token_ids[index * self.block_size :]
-        parent = parent_key(hashes, index, held.cache_salt)
-        self._keep_tail(held.blocks[0][index], parent, tokens, held.cache_salt)
+        extend_block_hashes(hashes, held.token_ids, self.block_size, held.cache_salt)
+        self._keep_tail(held.blocks[0], held.token_ids, hashes, held.cache_salt)
 
     def _keep_tail(
-        self, block: KVBlock, parent: BlockHash, token_ids: list[int], cache_salt: bytes
+        self,
+        blocks: list[KVBlock],
+        token_ids: list[int],
+        block_hashes: list[BlockHash],
+        cache_salt: bytes,
     ) -> None:
-        """A partial last block about to be freed stays a partial-hit source, cached under a
-        key of its computed tokens (evicted as any cached block is), when nobody else holds it:
-        a later prompt that repeats these tokens (the next chat turn) copies them."""
+        """The partial last block of ``token_ids`` (a sequence's computed tokens, ``blocks``
+        its blocks, ``block_hashes`` its full blocks' hashes), about to be freed, stays a
+        partial-hit source, cached under a key of its tokens (evicted as any cached block is),
+        when nobody else holds it: a later prompt that repeats these tokens (the next chat
+        turn) copies them."""
+        index, num_tail = divmod(len(token_ids), self.block_size)
+        if num_tail == 0 or index >= len(blocks):
+            return
+        block = blocks[index]
         if block.is_null or block.ref_cnt != 1 or block.block_hash is not None:
             return
-        tokens = tuple(token_ids)
+        tokens = tuple(token_ids[index * self.block_size :])
+        parent = parent_key(block_hashes, index, cache_salt)
         key = hash_partial_block(parent, tokens, cache_salt)
         self.pool.cache_block(block, key, parent, tokens, publish=False)
 

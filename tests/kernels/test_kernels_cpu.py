@@ -246,7 +246,9 @@ def test_tile_rows_in_pairs_equal_rows_alone(dtype, heads, kv_heads, head_dim):
     # AVX2 takes a bf16 tile's rows two at a time (three heads a pass: groups of 3, 4 = 3 + 1
     # and 6 = 3 + 3), a row with one key more than its partner finishing alone; a 13-row chunk
     # makes tiles of 8 and 5 rows (the last row without a partner) and ends mid-chunk, so the
-    # rows of a pair differ in keys. Every row equals the same row decoded alone, bit for bit.
+    # rows of a pair differ in keys. Every row equals the same row decoded alone, bit for bit
+    # (AVX-512 with BF16 scores a tile's rows from each chunk's K transposed, a row alone from
+    # K as stored: the same arithmetic).
     gen = torch.Generator().manual_seed(head_dim)
     cache = _random_cache(14, 16, kv_heads, head_dim, dtype, 0, gen)
     table = (torch.randperm(13, generator=gen)[:12] + 1).view(1, -1)

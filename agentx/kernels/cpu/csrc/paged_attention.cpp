@@ -724,6 +724,114 @@ struct Segment {
   int64_t count;
 };
 
+// A tile's rows share each chunk's keys, so for them the chunk's K rows of one KV head are
+// transposed once (kt[p * kKtKeys + t]: key t's dword p, dims 2p and 2p + 1) and a score
+// register holds 16 keys: lane j's chain of bf16_key_block becomes a register s_j (VDPBF16PS
+// with key dword 16c + j and the query's, c = 0, 1, ...), and its fold becomes adds of whole
+// registers in the same tree: (s_j + s_j+8), then + the one 4 further, 2 further, 1 further.
+// Every score is bf16_key_block's, bit for bit; the 16-lane fold's shuffles are gone.
+constexpr int64_t kKtKeys = 64;  // keys a transposed chunk (chunks of blocks <= 64 tokens)
+
+// r[i] = row i's 16 dwords -> r[p] = dword p of rows 0 .. 15
+AGENTX_AVX512 inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4 g + k], 128-bit lane L: dword 4 L + k of rows 4 g .. 4 g + 3
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* x = t + 4 * g;
+    u[4 * g] = _mm512_unpacklo_epi64(x[0], x[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(x[0], x[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(x[1], x[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(x[1], x[3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+}
+
+// The first `count` (<= kKtKeys) keys of a chunk (its segments in order) for one KV head into
+// kt; keys count .. the next multiple of 16 are zeros.
+template <int D>
+AGENTX_AVX512 void transpose_keys(const Segment<at::BFloat16>* segs, int64_t count, int64_t ts,
+                                  uint32_t* kt) {
+  const at::BFloat16* rows[kKtKeys];
+  for (int64_t off = 0, s = 0; off < count; ++s) {
+    const int64_t n = std::min(segs[s].count, count - off);
+    for (int64_t t = 0; t < n; ++t) rows[off + t] = segs[s].k + t * ts;
+    off += n;
+  }
+  for (int64_t t0 = 0; t0 < count; t0 += 16) {
+    for (int c = 0; c < D / 32; ++c) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = t0 + i < count ? _mm512_loadu_si512(rows[t0 + i] + 32 * c) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kt + (16 * c + p) * kKtKeys + t0, r[p]);
+    }
+  }
+}
+
+template <int KV>
+struct Keys16 {
+  __m512 v[KV];
+};
+
+// KV registers of 16 keys (from key vector 0 of kt): lane chain j, or the tree over the lanes
+// J, J + STEP, ... that bf16_key_block's fold adds in the subtree of J at step STEP
+template <int D, int KV, int J, int STEP>
+AGENTX_AVX512BF16 __attribute__((always_inline)) inline Keys16<KV> fold_tree(const uint32_t* qd,
+                                                                            const uint32_t* kt) {
+  Keys16<KV> out;
+  if constexpr (STEP == 16) {  // a lane's chain
+    for (int v = 0; v < KV; ++v) out.v[v] = _mm512_setzero_ps();
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(qd[16 * c + J]));
+      const uint32_t* k = kt + (16 * c + J) * kKtKeys;
+      for (int v = 0; v < KV; ++v) {
+        out.v[v] = _mm512_dpbf16_ps(out.v[v], (__m512bh)_mm512_loadu_si512(k + 16 * v), q);
+      }
+    }
+  } else {
+    const Keys16<KV> a = fold_tree<D, KV, J, 2 * STEP>(qd, kt);
+    const Keys16<KV> b = fold_tree<D, KV, J + STEP, 2 * STEP>(qd, kt);
+    for (int v = 0; v < KV; ++v) out.v[v] = _mm512_add_ps(a.v[v], b.v[v]);
+  }
+  return out;
+}
+
+// bf16_scores_avx512's scores of keys [0, count) from a transposed chunk: for NH heads of one
+// row (qb: each head's D rounded dims as bf16), 32 keys at a time, then 16
+template <int D, int NH>
+AGENTX_AVX512BF16 void bf16_scores_kt(const float* qb, const uint32_t* kt, int64_t count,
+                                      float scale, float* score) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int h = 0; h < NH; ++h) {
+    const uint32_t* qd = reinterpret_cast<const uint32_t*>(qb + h * D);
+    float* dst = score + h * kScoreStride;
+    int64_t t = 0;
+    for (; t + 16 < count; t += 32) {
+      const Keys16<2> s = fold_tree<D, 2, 0, 1>(qd, kt + t);
+      _mm512_storeu_ps(dst + t, _mm512_mul_ps(s.v[0], sc));
+      _mm512_storeu_ps(dst + t + 16, _mm512_mul_ps(s.v[1], sc));
+    }
+    if (t < count) {
+      const Keys16<1> s = fold_tree<D, 1, 0, 1>(qd, kt + t);
+      _mm512_storeu_ps(dst + t, _mm512_mul_ps(s.v[0], sc));
+    }
+  }
+}
+
 // The online softmax step of one head over a chunk's `count` scores (replaced by their exps):
 // its max and denominator move on; returns the factor its earlier value sums take.
 template <bool Wide>
@@ -760,8 +868,11 @@ inline float softmax_chunk(float* sc, int64_t count, State* st) {
 template <typename T, int D, int NH, bool Wide>
 inline void chunk_softmax(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
                           float scale, float* score, State* const* st, float* correction,
-                          Prefetcher* pf) {
-  for (int64_t off = 0, s = 0; off < count; ++s) {
+                          Prefetcher* pf, const uint32_t* kt = nullptr) {
+  if constexpr (std::is_same_v<T, at::BFloat16> && Wide) {
+    if (kt != nullptr) bf16_scores_kt<D, NH>(q, kt, count, scale, score);
+  }
+  for (int64_t off = 0, s = 0; kt == nullptr && off < count; ++s) {
     const int64_t n = std::min(segs[s].count, count - off);
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if constexpr (Wide) {
@@ -787,9 +898,10 @@ inline void chunk_softmax(const float* q, const Segment<T>* segs, int64_t count,
 // (their correction is 1, exact).
 template <typename T, int D, int NH, bool Wide>
 inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
-                       float scale, float* score, State* const* st, Prefetcher* pf) {
+                       float scale, float* score, State* const* st, Prefetcher* pf,
+                       const uint32_t* kt = nullptr) {
   float correction[NH];
-  chunk_softmax<T, D, NH, Wide>(q, segs, count, ts, scale, score, st, correction, pf);
+  chunk_softmax<T, D, NH, Wide>(q, segs, count, ts, scale, score, st, correction, pf, kt);
   float ones[NH];
   for (int h = 0; h < NH; ++h) ones[h] = 1.f;
   for (int64_t off = 0, s = 0; off < count; ++s) {
@@ -912,7 +1024,8 @@ constexpr int64_t kHeadsAPass = Wide ? 6 : 3;
 
 template <typename T, int D, bool Wide>
 inline void fold_heads(const float* q, const Segment<T>* segs, int64_t count, int64_t ts,
-                       float scale, float* score, State* st, int64_t group, Prefetcher* pf) {
+                       float scale, float* score, State* st, int64_t group, Prefetcher* pf,
+                       const uint32_t* kt = nullptr) {
   State* ptrs[kHeadsAPass<Wide>];
   for (int64_t g = 0; g < group;) {
     const int64_t nh = std::min<int64_t>(group - g >= 6 ? kHeadsAPass<Wide> : 3, group - g);
@@ -921,16 +1034,16 @@ inline void fold_heads(const float* q, const Segment<T>* segs, int64_t count, in
     g += nh;
     if constexpr (Wide) {
       if (nh == 6) {
-        fold_chunk<T, D, 6, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
+        fold_chunk<T, D, 6, Wide>(qg, segs, count, ts, scale, score, ptrs, pf, kt);
         continue;
       }
     }
     if (nh == 3) {
-      fold_chunk<T, D, 3, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
+      fold_chunk<T, D, 3, Wide>(qg, segs, count, ts, scale, score, ptrs, pf, kt);
     } else if (nh == 2) {
-      fold_chunk<T, D, 2, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
+      fold_chunk<T, D, 2, Wide>(qg, segs, count, ts, scale, score, ptrs, pf, kt);
     } else {
-      fold_chunk<T, D, 1, Wide>(qg, segs, count, ts, scale, score, ptrs, pf);
+      fold_chunk<T, D, 1, Wide>(qg, segs, count, ts, scale, score, ptrs, pf, kt);
     }
   }
 }
@@ -1000,6 +1113,8 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   const int64_t row = D + kRowExtra<T>;  // one (token, KV head) row
   const int64_t token_stride = num_kv_heads * row, heads = num_kv_heads * group;
   constexpr bool kPaired = std::is_same_v<T, at::BFloat16>;  // bf16's paired order
+  constexpr bool kTransposed = Wide && kPaired;  // tiles' scores from transposed chunks
+  alignas(64) thread_local uint32_t kt_buffer[kTransposed ? 128 * kKtKeys : 1];  // D <= 256
   std::optional<FlushDenormals> flush;  // bf16: the float steps VDPBF16PS takes, on any CPU
   if constexpr (kPaired) {  // the tile's queries rounded to bf16: in paired order, or as bf16
     flush.emplace();
@@ -1060,6 +1175,13 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
     // dim 64) stay in L1 for the tile's rows; all heads' would not
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       head_segments<T>(segs, nsegs, h * row, head_segs);
+      const uint32_t* kt = nullptr;  // the chunk's K transposed, for a tile's rows (AVX-512 bf16)
+      if constexpr (kTransposed) {
+        if (tile_rows > 1 && chunk <= kKtKeys) {
+          transpose_keys<D>(head_segs, end - start, token_stride, kt_buffer);
+          kt = kt_buffer;
+        }
+      }
       for (int64_t r = 0; r < tile_rows;) {
         const int64_t count = std::min(end, ends[r]) - start;
         const float* qh = q + r * q_row_stride + h * group * D;
@@ -1080,7 +1202,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
         if (count > 0) {
           Prefetcher* fetch = r == tile_rows - 1 ? &pf : &idle;
           fold_heads<T, D, Wide>(qh, head_segs, count, token_stride, scale, score, st, group,
-                                 fetch);
+                                 fetch, kt);
         }
         ++r;
       }

@@ -126,6 +126,14 @@ struct State {
   float denom;
 };
 
+// Consecutive keys of one chunk that sit in one block: K rows at k, V rows at v.
+template <typename T>
+struct Segment {
+  const T* k;
+  const T* v;
+  int64_t count;
+};
+
 // [sum(a[0]), ..., sum(a[3])], each lane ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)).
 inline __m128 hsum4(const __m256* a) {
   const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -415,10 +423,13 @@ AGENTX_AVX512 void row_scores_avx512(const float* q, const T* kb, int64_t count,
   if (t < count) row_scores<T, D, NH>(q, kb + t * ts, count - t, ts, scale, score + t);
 }
 
-// row_values, 64 dims a pass (16 a register)
+// row_values over a chunk's first `count` keys (its segments in order), 64 dims a pass (16 a
+// register): the sums stay in registers from segment to segment (row_values, called per
+// segment, takes a correction of 1 for the later ones: exact, so the same bits).
 template <typename T, int D, int NH>
-AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t count, int64_t ts,
-                                     const float* correction, State* const* st, Prefetcher* pf) {
+AGENTX_AVX512 void row_values_avx512(const float* prob, const Segment<T>* segs, int64_t count,
+                                     int64_t ts, const float* correction, State* const* st,
+                                     Prefetcher* pf) {
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
   for (int s = 0; s < D; s += 64) {
     __m512 acc[NH][4];
@@ -428,18 +439,24 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const T* vb, int64_t cou
         acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(st[h]->acc + s + 16 * j), c);
       }
     }
-    for (int64_t t = 0; t < count; ++t) {
-      pf->step();
-      __m512 vv[4];
-      load_values16(vb + t * ts + s, vv);
-      float value_scale = 1.f;
-      if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
-      for (int h = 0; h < NH; ++h) {
-        float pt = prob[h * kScoreStride + t];
-        if constexpr (kInt8<T>) pt *= value_scale;
-        const __m512 p = _mm512_set1_ps(pt);
-        for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(p, vv[j], acc[h][j]);
+    for (int64_t off = 0, g = 0; off < count; ++g) {
+      const T* vb = segs[g].v;
+      const int64_t n = std::min(segs[g].count, count - off);
+      const float* pb = prob + off;
+      for (int64_t t = 0; t < n; ++t) {
+        pf->step();
+        __m512 vv[4];
+        load_values16(vb + t * ts + s, vv);
+        float value_scale = 1.f;
+        if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
+        for (int h = 0; h < NH; ++h) {
+          float pt = pb[h * kScoreStride + t];
+          if constexpr (kInt8<T>) pt *= value_scale;
+          const __m512 p = _mm512_set1_ps(pt);
+          for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(p, vv[j], acc[h][j]);
+        }
       }
+      off += n;
     }
     for (int h = 0; h < NH; ++h) {
       for (int j = 0; j < 4; ++j) _mm512_storeu_ps(st[h]->acc + s + 16 * j, acc[h][j]);
@@ -716,14 +733,6 @@ AGENTX_AVX512 inline int64_t exp_sum16(float* sc, int64_t count, float max, __m2
   return t;
 }
 
-// Consecutive keys of one chunk that sit in one block: K rows at k, V rows at v.
-template <typename T>
-struct Segment {
-  const T* k;
-  const T* v;
-  int64_t count;
-};
-
 // A tile's rows share each chunk's keys, so for them the chunk's K rows of one KV head are
 // transposed once (kt[p * kKtKeys + t]: key t's dword p, dims 2p and 2p + 1) and a score
 // register holds 16 keys: lane j's chain of bf16_key_block becomes a register s_j (VDPBF16PS
@@ -902,21 +911,21 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
                        const uint32_t* kt = nullptr) {
   float correction[NH];
   chunk_softmax<T, D, NH, Wide>(q, segs, count, ts, scale, score, st, correction, pf, kt);
-  float ones[NH];
-  for (int h = 0; h < NH; ++h) ones[h] = 1.f;
-  for (int64_t off = 0, s = 0; off < count; ++s) {
-    const int64_t n = std::min(segs[s].count, count - off);
-    const float* c = off == 0 ? correction : ones;
-    if constexpr (Wide) {
-      row_values_avx512<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
-    } else {
+  if constexpr (Wide) {
+    row_values_avx512<T, D, NH>(score, segs, count, ts, correction, st, pf);
+  } else {
+    float ones[NH];
+    for (int h = 0; h < NH; ++h) ones[h] = 1.f;
+    for (int64_t off = 0, s = 0; off < count; ++s) {
+      const int64_t n = std::min(segs[s].count, count - off);
+      const float* c = off == 0 ? correction : ones;
       if constexpr (std::is_same_v<T, at::BFloat16> && NH == 3) {
         row_values_bf16x3<D>(score + off, segs[s].v, n, ts, c, st, pf);
       } else {
         row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
       }
+      off += n;
     }
-    off += n;
   }
 }
 

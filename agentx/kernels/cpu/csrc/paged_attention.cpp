@@ -188,7 +188,7 @@ struct Prefetcher {
   int64_t limit = 0;  // fetch blocks below this
   int64_t want = 0;
 
-  inline void step() {
+  __attribute__((always_inline)) inline void step() {
     for (int64_t i = 0; i < want && next < limit; ++i) {
       _mm_prefetch(cache + table[next] * stride_bytes + offset, _MM_HINT_T1);
       offset += 64;
@@ -476,10 +476,11 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const Segment<T>* segs, 
 // A lane's two steps are what VDPBF16PS does for a dword (AVX512_BF16: one instruction a line
 // and head), and what two FMAs do under MXCSR's DAZ and FTZ, which a bf16 tile sets on every
 // CPU (AVX2, and AVX-512 without BF16, run the FMAs, 8 lanes a register): the same bits.
-// Value rows are read in "paired order" (in each group of 32 dims: the 16 even ones, then the
-// 16 odd ones; the AVX2 loops keep the query in it too): value sums are kept in it and put
-// back in dim order after the tile. Each dim of a value sum is the same FMA chain over the keys
-// (probabilities in float32) as in the other caches.
+// The AVX2 loops read value rows in "paired order" (in each group of 32 dims: the 16 even ones,
+// then the 16 odd ones; they keep the query in it too), the AVX-512 loop in "unpacked order"
+// (bf16_values_avx512): value sums are kept in it and put back in dim order after the tile.
+// Each dim of a value sum is one chain over the keys, each key's probability rounded to bf16
+// (below, "bf16 value sums"): the other caches weigh by float32 probabilities.
 constexpr int kPairGroup = 32;
 
 // dims in paired order (d a multiple of 32)
@@ -841,6 +842,105 @@ AGENTX_AVX512BF16 void bf16_scores_kt(const float* qb, const uint32_t* kt, int64
   }
 }
 
+// bf16 value sums (every CPU): a key's probability is rounded to bf16 (to nearest even) before
+// it weighs the key's value row, so each product is exact and each step of a dim's chain over
+// the keys one rounded add (the softmax denominators still sum the unrounded exps; FlashAttention
+// rounds its probabilities the same way before P V). Keys go in pairs from a chunk's first:
+// VDPBF16PS adds key t's product, then key t + 1's, to a float lane; a chunk's odd last key
+// pairs with a zero probability and a zero row, so its chain ends in "+ 0" (which only turns a
+// -0 sum into +0). The AVX2 loops take the same steps by FMAs, denormals flushed as VDPBF16PS
+// flushes them, and add that zero too.
+//
+// The AVX-512 loop interleaves the value rows of keys t + 1 and t by word (unpacklo / unpackhi
+// within 128-bit lanes), so a slice's 64 dims sit in "unpacked order": register j, lane
+// 4 L + w holds dim 32 (j / 2) + 8 L + 4 (j % 2) + w. from_unpacked puts them back.
+constexpr int kPairsStride = kMaxBlock / 2 + 16;
+
+// unpacked order back to dim order, in place (d a multiple of 64)
+inline void from_unpacked(float* x, int64_t d) {
+  float slice[64];
+  for (int64_t c = 0; c < d; c += 64) {
+    std::memcpy(slice, x + c, sizeof(slice));
+    for (int i = 0; i < 64; ++i) {
+      const int j = i / 16, lane = (i % 16) / 4, w = i % 4;
+      x[c + 32 * (j / 2) + 8 * lane + 4 * (j % 2) + w] = slice[i];
+    }
+  }
+}
+
+// n <= kMaxBlock probabilities as bf16 pairs: dword i holds p[2i + 1] (low word) and p[2i]
+// (high word), VDPBF16PS's order for "key 2i, then key 2i + 1"; p[n] reads as zero.
+AGENTX_AVX512BF16 inline void bf16_prob_pairs(const float* p, int64_t n, uint32_t* out) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const int64_t left = n - i;
+    const __mmask16 lo = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 hi =
+        left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, p + i + 16),
+                                           _mm512_maskz_loadu_ps(lo, p + i));
+    _mm512_storeu_si512(out + i / 2, _mm512_rol_epi32((__m512i)w, 16));
+  }
+}
+
+// acc[h] = acc[h] * correction[h] + sum_t bf16(p[h][t]) v[t] for NH heads of one row over a
+// chunk's first `count` keys (its segments in order), in unpacked order, 64 dims a pass: per
+// pair of keys two unpacks a 64-byte line and one VDPBF16PS a head and 16 dims.
+template <int D, int NH>
+AGENTX_AVX512BF16 void bf16_values_avx512(const float* prob, const Segment<at::BFloat16>* segs,
+                                          int64_t count, int64_t ts, const float* correction,
+                                          State* const* st, Prefetcher* pf) {
+  static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
+  alignas(64) uint32_t pairs[NH][kPairsStride];
+  for (int h = 0; h < NH; ++h) bf16_prob_pairs(prob + h * kScoreStride, count, pairs[h]);
+  const at::BFloat16* rows[kMaxBlock];  // each key's value row
+  for (int64_t off = 0, g = 0; off < count; ++g) {
+    const int64_t n = std::min(segs[g].count, count - off);
+    for (int64_t t = 0; t < n; ++t) rows[off + t] = segs[g].v + t * ts;
+    off += n;
+  }
+  for (int s = 0; s < D; s += 64) {
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      const __m512 c = _mm512_set1_ps(correction[h]);
+      for (int j = 0; j < 4; ++j) {
+        acc[h][j] = _mm512_mul_ps(_mm512_loadu_ps(st[h]->acc + s + 16 * j), c);
+      }
+    }
+    for (int64_t t = 0; t < count; t += 2) {
+      pf->step();
+      const __m512i a0 = _mm512_loadu_si512(rows[t] + s), a1 = _mm512_loadu_si512(rows[t] + s + 32);
+      __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+      if (t + 1 < count) {  // else key t pairs with a zero row (and a zero probability)
+        pf->step();
+        b0 = _mm512_loadu_si512(rows[t + 1] + s);
+        b1 = _mm512_loadu_si512(rows[t + 1] + s + 32);
+      }
+      const __m512bh x[4] = {(__m512bh)_mm512_unpacklo_epi16(b0, a0),
+                             (__m512bh)_mm512_unpackhi_epi16(b0, a0),
+                             (__m512bh)_mm512_unpacklo_epi16(b1, a1),
+                             (__m512bh)_mm512_unpackhi_epi16(b1, a1)};
+      for (int h = 0; h < NH; ++h) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[h][t / 2]));
+        for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_dpbf16_ps(acc[h][j], x[j], p);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(st[h]->acc + s + 16 * j, acc[h][j]);
+    }
+  }
+}
+
+// The AVX2 loops' "+ 0" for a chunk's odd last key (bf16 value sums, above): every dim of the
+// NH sums of one row
+template <int D, int NH>
+inline void add_zero_partner(State* const* st) {
+  for (int h = 0; h < NH; ++h) {
+    for (int d = 0; d < D; d += 8) {
+      _mm256_storeu_ps(st[h]->acc + d, _mm256_add_ps(_mm256_loadu_ps(st[h]->acc + d), _mm256_setzero_ps()));
+    }
+  }
+}
+
 // The online softmax step of one head over a chunk's `count` scores (replaced by their exps):
 // its max and denominator move on; returns the factor its earlier value sums take.
 template <bool Wide>
@@ -898,6 +998,11 @@ inline void chunk_softmax(const float* q, const Segment<T>* segs, int64_t count,
   }
   for (int h = 0; h < NH; ++h) {
     correction[h] = softmax_chunk<Wide>(score + h * kScoreStride, count, st[h]);
+    // bf16 value sums: the AVX2 loops weigh by the probabilities rounded (the AVX-512 loop
+    // rounds them as it packs them in pairs)
+    if constexpr (std::is_same_v<T, at::BFloat16> && !Wide) {
+      round_to_bf16(score + h * kScoreStride, count, score + h * kScoreStride);
+    }
   }
 }
 
@@ -911,7 +1016,9 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
                        const uint32_t* kt = nullptr) {
   float correction[NH];
   chunk_softmax<T, D, NH, Wide>(q, segs, count, ts, scale, score, st, correction, pf, kt);
-  if constexpr (Wide) {
+  if constexpr (Wide && std::is_same_v<T, at::BFloat16>) {
+    bf16_values_avx512<D, NH>(score, segs, count, ts, correction, st, pf);
+  } else if constexpr (Wide) {
     row_values_avx512<T, D, NH>(score, segs, count, ts, correction, st, pf);
   } else {
     float ones[NH];
@@ -925,6 +1032,9 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
         row_values<T, D, NH>(score + off, segs[s].v, n, ts, c, st, pf);
       }
       off += n;
+    }
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (count & 1) add_zero_partner<D, NH>(st);
     }
   }
 }
@@ -1016,6 +1126,9 @@ inline void fold_chunk_pair(const float* const* q, const Segment<at::BFloat16>* 
     const float* p[2] = {score[0] + off, score[1] + off};
     pair_values<D>(p, segs[s].v, n, ts, c, st, pf);
     off += segs[s].count;
+  }
+  for (int r = 0; r < 2; ++r) {
+    if (counts[r] & 1) add_zero_partner<D, NH>(st[r]);
   }
 }
 
@@ -1219,7 +1332,13 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
     start = end;
   }
   if constexpr (kPaired) {
-    for (int64_t i = 0; i < tile_rows * heads; ++i) from_paired(states[i].acc, D);
+    for (int64_t i = 0; i < tile_rows * heads; ++i) {
+      if constexpr (Wide) {
+        from_unpacked(states[i].acc, D);
+      } else {
+        from_paired(states[i].acc, D);
+      }
+    }
   }
 }
 

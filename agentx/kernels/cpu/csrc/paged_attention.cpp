@@ -936,7 +936,8 @@ template <int D, int NH>
 inline void add_zero_partner(State* const* st) {
   for (int h = 0; h < NH; ++h) {
     for (int d = 0; d < D; d += 8) {
-      _mm256_storeu_ps(st[h]->acc + d, _mm256_add_ps(_mm256_loadu_ps(st[h]->acc + d), _mm256_setzero_ps()));
+      const __m256 sum = _mm256_loadu_ps(st[h]->acc + d);
+      _mm256_storeu_ps(st[h]->acc + d, _mm256_add_ps(sum, _mm256_setzero_ps()));
     }
   }
 }

@@ -66,6 +66,30 @@ def test_quantized_linear_rows_are_independent(bits):
     assert torch.equal(cpu.quantized_linear(x[3:11], *packed, None, bits), batch[3:11])
 
 
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_linear_blocks_of_tiles_keep_every_row_alone(bits):
+    # 2,056 columns over K = 576: the row passes run over 128 KB blocks of tiles (36 int4 or
+    # 24 int8 tiles a block, ending partway through a thread's share, the 257th tile alone),
+    # so 13 rows take every pass over every block; each row equals itself computed alone
+    _, packed = _packed(2056, 576, bits, seed=11)
+    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(12)) * 2
+    isas = ("avx2", "avx512") if cpu.has_avx512() else ("avx2",)
+    outs = []
+    for isa in isas:
+        with cpu.use_isa(isa):
+            batch = cpu.quantized_linear(x, *packed, None, bits)
+            for r in (0, 5, 12):
+                assert torch.equal(
+                    cpu.quantized_linear(x[r : r + 1], *packed, None, bits)[0], batch[r]
+                )
+            assert torch.equal(cpu.quantized_linear(x[6:13], *packed, None, bits), batch[6:13])
+            outs.append(batch)
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    want = quant.quantized_linear(x, *packed, None, bits)
+    torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 needs_avx512 = pytest.mark.skipif(
     not (cpu.available() and cpu.has_avx512()), reason="this CPU has no AVX-512 VNNI"
 )

@@ -41,10 +41,10 @@ using qlinear::kTile;
 // rows a pass over an int4 tile's weights on AVX2 (its int8 tiles take kRows)
 constexpr int kRowsInt4 = 6;
 using qlinear::kRowsWide;
-// Weight bytes (tiles, scales, mins) a block of tiles that all row passes take before the next:
-// on a 2-core Zen 4, 32-128 KB blocks made SmolLM2's int8 LM head from DRAM 1.5-2x faster at
-// 8-64 rows than one block per thread (or 256-512 KB); int4 layers (at most ~0.5 MB a thread)
-// ran the same
+// Weight bytes (tiles, scales, mins) a block of tile pairs that all AVX-512 row passes take
+// before the next: on a 2-core Zen 4, 32-128 KB blocks made SmolLM2's int8 LM head from DRAM
+// 1.5-2x faster at 8-64 rows than one block per thread (or 256-512 KB); int4 layers (at most
+// ~0.5 MB a thread) ran the same
 constexpr int64_t kBlockBytes = 128 * 1024;
 
 // Per row and group of 32: dx = amax / 127, xq = rint(x * 127 / amax), sx = dx * sum(xq).
@@ -230,9 +230,9 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   // AVX2's int4 tiles take 6 rows a pass over their weights (Zen 2, one 576 x 1536 layer's
   // tiles: 78.6 GMAC/s a thread against 71.4 with 4 rows; int8 tiles run as fast with 4)
   const int64_t single_rows = int4 ? kRowsInt4 : kRows;
-  // Row passes run over blocks of about kBlockBytes of weights, so that a block read once from
-  // memory serves every pass from L2: the int8 LM head (28 MB at SmolLM2's shapes) was
-  // streamed from memory once a pass of up to 6 rows (3 times at 16 rows).
+  // AVX-512: row passes run over blocks of about kBlockBytes of weights, so that a block read
+  // once from memory serves every pass from L2: the int8 LM head (28 MB at SmolLM2's shapes)
+  // was streamed from memory once a pass of up to 6 rows (3 times at 16 rows).
   const int64_t tile_weight_bytes = tile_bytes + groups * kTile * (int4 ? 8 : 4);
   const int64_t block_tiles =
       std::max<int64_t>(2, kBlockBytes / tile_weight_bytes / 2 * 2);  // even: whole pairs
@@ -255,29 +255,29 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
     float buf[kRowsInt4][kTile];
     float* out[kRowsInt4];
     for (int r = 0; r < kRowsInt4; ++r) out[r] = buf[r];
-    for (int64_t b0 = std::max(u0, pairs); b0 < u1; b0 += block_tiles) {
-      const int64_t b1 = std::min(u1, b0 + block_tiles);
-      for (int64_t r0 = 0; r0 < m; r0 += single_rows) {
-        const int64_t rows = std::min<int64_t>(single_rows, m - r0);
-        for (int64_t u = b0; u < b1; ++u) {
-          const int64_t t = 2 * pairs + (u - pairs);
-          const uint8_t* w = wp + t * tile_bytes;
-          const float* s = sp + t * groups * kTile;
-          const float* mn = mp ? mp + t * groups * kTile : nullptr;
-          const int8_t* xr = xqp + r0 * k;
-          const float* dr = dxp + r0 * groups;
-          const float* sr = sxp + r0 * groups;
-          switch (rows) {
-            case 6: tile_int4<6>(w, s, mn, xr, dr, sr, k, out); break;
-            case 5: tile_int4<5>(w, s, mn, xr, dr, sr, k, out); break;
-            case 4: run_tile<4>(int4, w, s, mn, xr, dr, sr, k, out); break;
-            case 3: run_tile<3>(int4, w, s, mn, xr, dr, sr, k, out); break;
-            case 2: run_tile<2>(int4, w, s, mn, xr, dr, sr, k, out); break;
-            default: run_tile<1>(int4, w, s, mn, xr, dr, sr, k, out); break;
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            std::memcpy(y + (r0 + r) * ldy + t * kTile, buf[r], sizeof(float) * kTile);
-          }
+    // AVX2 (every tile) and AVX-512's odd last tile: passes over the whole share. Blocks gained
+    // nothing on AVX2 (Zen 4 capped to AVX2, the int8 LM head at 8-64 rows: its loop is bound by
+    // its multiplies, not by the reads it repeats)
+    for (int64_t r0 = 0; r0 < m; r0 += single_rows) {
+      const int64_t rows = std::min<int64_t>(single_rows, m - r0);
+      for (int64_t u = std::max(u0, pairs); u < u1; ++u) {
+        const int64_t t = 2 * pairs + (u - pairs);
+        const uint8_t* w = wp + t * tile_bytes;
+        const float* s = sp + t * groups * kTile;
+        const float* mn = mp ? mp + t * groups * kTile : nullptr;
+        const int8_t* xr = xqp + r0 * k;
+        const float* dr = dxp + r0 * groups;
+        const float* sr = sxp + r0 * groups;
+        switch (rows) {
+          case 6: tile_int4<6>(w, s, mn, xr, dr, sr, k, out); break;
+          case 5: tile_int4<5>(w, s, mn, xr, dr, sr, k, out); break;
+          case 4: run_tile<4>(int4, w, s, mn, xr, dr, sr, k, out); break;
+          case 3: run_tile<3>(int4, w, s, mn, xr, dr, sr, k, out); break;
+          case 2: run_tile<2>(int4, w, s, mn, xr, dr, sr, k, out); break;
+          default: run_tile<1>(int4, w, s, mn, xr, dr, sr, k, out); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(y + (r0 + r) * ldy + t * kTile, buf[r], sizeof(float) * kTile);
         }
       }
     }

@@ -8,6 +8,10 @@ the GGUF stores it). Prints the best of --rounds timed calls; 2 M N K flops a ca
 
     python benchmarks/qlinear_bench.py                          # M = 8, 64, 512, 2 threads
     python benchmarks/qlinear_bench.py --rows 6,512 --threads 1 --cpu-time
+    python benchmarks/qlinear_bench.py --rows 1,8,16,64 --from-memory   # as in a decode step
+
+``--from-memory`` reads 256 MB (more than any L3 here) before each timed call, so the call's
+weights come from memory, as they do in a step that runs 30 layers' weights through the caches.
 
 Before/after comparisons run this file against another checkout's ``agentx``
 (``PYTHONPATH=/path/to/other/checkout python benchmarks/qlinear_bench.py``), alternated.
@@ -43,6 +47,11 @@ SHAPES = (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_timing_args(parser, rows="8,64,512", rounds=7)
+    parser.add_argument(
+        "--from-memory",
+        action="store_true",
+        help="read 256 MB before each timed call: the weights come from memory, not the caches",
+    )
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit("the compiled CPU kernels are unavailable here")
@@ -52,12 +61,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     op = torch.ops.agentx.quantized_linear
     gen = torch.Generator().manual_seed(1)
+    evict = torch.ones(64 << 20).sum if args.from_memory else None  # 256 MB, read only
     for name, bits, n, k in SHAPES:
         q, scale, mins = quant.quantize_weight(torch.randn(n, k, generator=gen), bits)
         packed = quant.pack_weight(q, scale, mins, bits)
         for m in rows:
             x = torch.randn(m, k, generator=gen)
-            best = best_time(partial(op, x, *packed, None, bits), args.rounds, clock)
+            best = best_time(partial(op, x, *packed, None, bits), args.rounds, clock, evict)
             print(
                 f"| {name} | {bits} | {n} x {k} | {m} | {best * 1e3:.2f} "
                 f"| {2 * m * n * k / best / 1e9:.1f} |"

@@ -40,11 +40,19 @@ def timing_setup(args: argparse.Namespace) -> tuple[Callable[[], float], list[in
     return clock, [int(r) for r in args.rows.split(",")]
 
 
-def best_time(call: Callable[[], object], rounds: int, clock: Callable[[], float]) -> float:
-    """One warm-up call, then the fastest of `rounds` timed calls, in seconds."""
+def best_time(
+    call: Callable[[], object],
+    rounds: int,
+    clock: Callable[[], float],
+    before: Callable[[], object] | None = None,
+) -> float:
+    """One warm-up call, then the fastest of `rounds` timed calls, in seconds; ``before`` (if
+    given) runs untimed ahead of each timed call."""
     call()
     best = float("inf")
     for _ in range(rounds):
+        if before is not None:
+            before()
         start = clock()
         call()
         best = min(best, clock() - start)

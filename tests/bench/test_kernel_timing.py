@@ -19,6 +19,22 @@ def test_best_time_warms_up_once_then_keeps_the_fastest_round() -> None:
     assert len(calls) == 4  # the warm-up and three timed calls
 
 
+def test_best_time_runs_before_untimed_ahead_of_each_timed_call() -> None:
+    events = []
+    ticks = iter([0.0, 3.0, 10.0, 11.0])  # rounds of 3 and 1 seconds
+
+    def clock() -> float:
+        events.append("tick")
+        return next(ticks)
+
+    best = kernel_timing.best_time(
+        lambda: events.append("call"), 2, clock, before=lambda: events.append("before")
+    )
+    assert best == 1.0
+    # the warm-up without it; each round: before, then the clock around the call
+    assert events == ["call"] + ["before", "tick", "call", "tick"] * 2
+
+
 def test_timing_flags_and_their_clock() -> None:
     parser = argparse.ArgumentParser()
     kernel_timing.add_timing_args(parser, rows="8,64", rounds=3)

@@ -46,6 +46,10 @@ using qlinear::kRowsWide;
 // 1.5-2x faster at 8-64 rows than one block per thread (or 256-512 KB); int4 layers (at most
 // ~0.5 MB a thread) ran the same
 constexpr int64_t kBlockBytes = 128 * 1024;
+// A thread's share of weights up to this size stays one block: it comes back from L2 for every
+// pass anyway, and read as one long stream the first pass waits less on memory (in 128 KB
+// blocks, gate_up from memory ran 0.54-0.65 -> 0.91 ms at 64 rows, 0.26-0.33 -> 0.37 at 16)
+constexpr int64_t kShareInL2 = 512 * 1024;
 
 // Per row and group of 32: dx = amax / 127, xq = rint(x * 127 / amax), sx = dx * sum(xq).
 // Vectorized, with the scalar definition's exact results: the max and the integer sum are
@@ -230,17 +234,20 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   // AVX2's int4 tiles take 6 rows a pass over their weights (Zen 2, one 576 x 1536 layer's
   // tiles: 78.6 GMAC/s a thread against 71.4 with 4 rows; int8 tiles run as fast with 4)
   const int64_t single_rows = int4 ? kRowsInt4 : kRows;
-  // AVX-512: row passes run over blocks of about kBlockBytes of weights, so that a block read
-  // once from memory serves every pass from L2: the int8 LM head (28 MB at SmolLM2's shapes)
-  // was streamed from memory once a pass of up to 6 rows (3 times at 16 rows).
+  // AVX-512: a thread's share larger than kShareInL2 runs its row passes over blocks of about
+  // kBlockBytes of weights, so that a block read once from memory serves every pass from L2:
+  // the int8 LM head (28 MB at SmolLM2's shapes) was streamed from memory once a pass of up to
+  // 6 rows (3 times at 16 rows).
   const int64_t tile_weight_bytes = tile_bytes + groups * kTile * (int4 ? 8 : 4);
-  const int64_t block_tiles =
-      std::max<int64_t>(2, kBlockBytes / tile_weight_bytes / 2 * 2);  // even: whole pairs
+  const int64_t block_pairs = std::max<int64_t>(1, kBlockBytes / (2 * tile_weight_bytes));
   parallel_for(0, pairs + (tiles - 2 * pairs), 1, [&](int64_t u0, int64_t u1) {
     // work units: pairs [0, pairs), then single tiles 2 * pairs + (u - pairs)
     const int64_t p1 = std::min(u1, pairs);
-    for (int64_t b0 = u0; b0 < p1; b0 += block_tiles / 2) {
-      const int64_t b1 = std::min(p1, b0 + block_tiles / 2);
+    const int64_t step =
+        (p1 - u0) * 2 * tile_weight_bytes <= kShareInL2 ? std::max<int64_t>(1, p1 - u0)
+                                                        : block_pairs;
+    for (int64_t b0 = u0; b0 < p1; b0 += step) {
+      const int64_t b1 = std::min(p1, b0 + step);
       // AVX-512: passes of up to kRowsWide rows, the rows split evenly among them (8 rows:
       // two passes of 4, not 6 and 2)
       for (int64_t r0 = 0, rows; r0 < m; r0 += rows) {

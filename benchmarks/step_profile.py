@@ -98,16 +98,18 @@ def install(clock: Clock, fused_stages: list[torch.Tensor]) -> None:
     clock.wrap(base.CausalLM, "compute_logits", "logits")
     clock.wrap(model_runner, "sample", "sampling")
 
-    fused = kernels.fused_decoder_layer
+    def fused_timed(fused):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = fused(*args, **kwargs)
+            clock.step["fused layer"] += time.perf_counter() - start
+            fused_stages.append(torch.ops.agentx.layer_stage_times(True))
+            return out
 
-    def fused_timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = fused(*args, **kwargs)
-        clock.step["fused layer"] += time.perf_counter() - start
-        fused_stages.append(torch.ops.agentx.layer_stage_times(True))
-        return out
+        return timed
 
-    blocks.kernels = _KernelsWith(fused_timed)
+    # a layer at a time, or every layer in one call (blocks.FusedLayers): the stages add up
+    blocks.kernels = _KernelsWith({name: fused_timed(getattr(kernels, name)) for name in FUSED_OPS})
     step = core.EngineCore.step
 
     def step_timed(self):
@@ -137,15 +139,18 @@ def install(clock: Clock, fused_stages: list[torch.Tensor]) -> None:
     core.EngineCore.step = step_timed
 
 
-class _KernelsWith:
-    """``agentx.kernels`` as blocks.py sees it, with the fused layer timed."""
+FUSED_OPS = ("fused_decoder_layer", "fused_decoder_layers")
 
-    def __init__(self, fused) -> None:
-        self._fused = fused
+
+class _KernelsWith:
+    """``agentx.kernels`` as blocks.py sees it, with the fused layer ops timed."""
+
+    def __init__(self, timed: dict) -> None:
+        self._timed = timed
 
     def __getattr__(self, name):
-        if name == "fused_decoder_layer":
-            return self._fused
+        if name in self._timed:
+            return self._timed[name]
         return getattr(kernels, name)
 
 

@@ -184,6 +184,8 @@ paged_attention_with_lse = _pick("paged_attention_with_lse")
 # A whole pre-norm SwiGLU layer over quantized weights (compiled CPU kernels only: callers check
 # cpu_kernels_enabled); see cpu/csrc/decoder_layer.cpp.
 fused_decoder_layer = _cpu.fused_decoder_layer
+fused_decoder_layers = _cpu.fused_decoder_layers
+FusedLayerStack = _cpu.FusedLayerStack
 FusedLayerWeights = _cpu.FusedLayerWeights
 FusedLinear = _cpu.FusedLinear
 pack_quantized_weight = _ref_quant.pack_weight
@@ -209,6 +211,7 @@ write_kv = _pick("write_kv")
 __all__ = [
     "ActiveKernels",
     "BACKEND",
+    "FusedLayerStack",
     "FusedLayerWeights",
     "FusedLinear",
     "apply_rotary",
@@ -218,6 +221,7 @@ __all__ = [
     "cpu_kernels_enabled",
     "fused_add_rms_norm",
     "fused_decoder_layer",
+    "fused_decoder_layers",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
     "gelu_tanh_and_mul",

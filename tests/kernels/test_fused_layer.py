@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from agentx.engine.models.blocks import DecoderLayer
+from agentx.engine.models.blocks import DecoderLayer, FusedLayers
 from agentx.engine.models.layers import MIXED, ColumnParallelLinear, QuantizableLinear
 from agentx.engine.models.llama import LlamaForCausalLM
 from agentx.engine.models.quant import KQuantTensor
@@ -169,6 +169,51 @@ def test_the_last_layer_computes_the_kept_rows_as_among_all(model, fused):
     finally:
         for layer, f in zip(_layers(model), saved, strict=True):
             layer._fused = f
+
+
+def test_the_layers_run_as_one_op_with_the_loops_bits(model, monkeypatch):
+    # every layer in one call (blocks.FusedLayers -> fused_decoder_layers): a prefill of two
+    # requests, then a step of a decode and a chunk with kept rows, give the layer-by-layer
+    # loop's logits bit for bit
+    assert isinstance(model._layers_as_one(), FusedLayers)
+    runs = []
+    run = FusedLayers.run
+
+    def counted(self, *args):
+        out = run(self, *args)
+        runs.append(out is not None)
+        return out
+
+    def steps() -> list[torch.Tensor]:
+        harness, seqs = Harness(model), [Seq(), Seq()]
+        a, b = random_tokens(40, seed=7), random_tokens(3, seed=8)
+        out = harness.step([(seqs[0], a, ()), (seqs[1], b, ())])
+        nxt = [random_tokens(1, seed=9), random_tokens(20, seed=10)]
+        out += harness.step(
+            [(s, t, ()) for s, t in zip(seqs, nxt, strict=True)], torch.tensor([0, 5, 20])
+        )
+        return out
+
+    monkeypatch.setattr(FusedLayers, "run", counted)
+    one_op = steps()
+    assert runs == [True, True]
+    monkeypatch.setattr(FusedLayers, "run", lambda self, *args: None)  # the loop
+    looped = steps()
+    assert len(one_op) == len(looped) == 3
+    for x, y in zip(one_op, looped, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_the_layers_run_one_by_one_where_one_does_not_fuse(model):
+    layers = _layers(model)
+    assert model._layers_as_one() is not None
+    saved = layers[-1]._fused
+    layers[-1]._fused = None  # the model notices the change: the loop runs
+    try:
+        assert model._layers_as_one() is None
+    finally:
+        layers[-1]._fused = saved
+    assert model._layers_as_one() is not None
 
 
 def test_kept_rows_must_ascend_once_each(model):

@@ -11,7 +11,7 @@ import torch
 
 from agentx import kernels
 from agentx.kernels import cpu, ref
-from agentx.kernels.cpu import FusedLayerWeights, FusedLinear
+from agentx.kernels.cpu import FusedLayerStack, FusedLayerWeights, FusedLinear
 from agentx.kernels.ref import quant as ref_quant
 
 # The reference's ops: its package, plus the quantized linear layer (ref/quant.py, which the
@@ -49,11 +49,15 @@ CPU_ONLY = {
     # no reference op: tests/kernels/test_fused_layer.py compares it with the layer's own
     # modules, and its weights' contract is checked below
     "fused_decoder_layer",
+    # consecutive fused layers in one call (the same op layer by layer): tested in
+    # tests/kernels/test_fused_layer.py against the layer loop
+    "fused_decoder_layers",
     # a host-side layout helper for the compiled attention (token_req / token_len), not an op
     "token_layout",
 }
 # the backend's controls and records, not ops
 CPU_CONTROLS = {
+    "FusedLayerStack",
     "FusedLayerWeights",
     "FusedLinear",
     "available",
@@ -135,6 +139,7 @@ def test_dispatch_exports_every_op_of_every_backend():
     assert set(REF_OPS) | CPU_ONLY <= set(kernels.__all__)
     # the fused layer goes through with its own signature (the record, not two lists)
     assert kernels.fused_decoder_layer is cpu.fused_decoder_layer
+    assert kernels.fused_decoder_layers is cpu.fused_decoder_layers
 
 
 # -- the fused layer's weights ---------------------------------------------------------------
@@ -241,6 +246,26 @@ def test_cpp_op_rejects_a_wrong_count_naming_the_contract():
         _layer_call(tensors[:-1], bits)
     with pytest.raises(RuntimeError, match=r"21 weights and 6 bits expected .*got 21 and 5"):
         _layer_call(tensors, bits[:-1])
+
+
+@needs_kernels
+def test_layers_op_takes_one_layers_lists_per_kv_cache():
+    tensors, bits = _distinct_weights().packed
+    index = torch.zeros(2, dtype=torch.long)
+    caches = [torch.zeros(1, 2, 16, 1, 64)] * 2  # two layers' caches, one layer's lists
+    args = (torch.zeros(1, 1, dtype=torch.long), index, index + 1, 1, 1e-6, 0.125, 0)
+    with pytest.raises(RuntimeError, match=r"21 weights and 6 bits a KV cache expected, got 21"):
+        torch.ops.agentx.fused_decoder_layers(
+            torch.zeros(2, 64), index, torch.zeros(8, 64), tensors, bits, caches, index, *args
+        )
+    stack = FusedLayerStack((_distinct_weights(),) * 2)
+    assert stack.packed == (tensors * 2, bits * 2)
+    with pytest.raises(ValueError, match="2 layers but 1 KV caches"):
+        cpu.fused_decoder_layers(
+            torch.zeros(2, 64), index, torch.zeros(8, 64), stack, caches[:1], index, *args
+        )
+    with pytest.raises(ValueError, match="at least one layer"):
+        FusedLayerStack(())
 
 
 @needs_kernels

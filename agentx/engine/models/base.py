@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from agentx.engine.models.blocks import NormWeight, RMSNorm
+from agentx.engine.models.blocks import FusedLayers, NormWeight, RMSNorm
 from agentx.engine.models.layers import ParallelLMHead, VocabParallelEmbedding
 from agentx.engine.models.spec import ModelSpec
 from agentx.engine.parallel import ParallelState
@@ -60,6 +60,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, norm_weight)
         self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, parallel, dtype)
+        # the layers as one fused op (blocks.FusedLayers), rebuilt when they change: (the
+        # layers' weights it was checked against, the op or None)
+        self._fused_layers: tuple[tuple, FusedLayers | None] | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) -> (T, hidden): the first layer's input."""
@@ -72,6 +75,11 @@ class CausalLM(nn.Module):
         ascending, unique) those rows' alone, (len(keep), hidden): the last layer computes no
         more than they need (every row's K and V are still written)."""
         x = self.embed(input_ids)
+        fused = self._layers_as_one()
+        if fused is not None:
+            out = fused.run(positions, x, keep)
+            if out is not None:
+                return self.norm(out)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = (
@@ -80,6 +88,19 @@ class CausalLM(nn.Module):
                 else layer.forward_rows(positions, x, keep)
             )
         return self.norm(x)
+
+    def _layers_as_one(self) -> FusedLayers | None:
+        """The layers as one fused op, where they qualify (blocks.FusedLayers)."""
+        cached = self._fused_layers
+        if cached is not None:
+            fused = cached[1]
+            if fused is not None and fused.is_current(self.layers):
+                return fused
+            if fused is None and cached[0] == _weights_key(self.layers):
+                return None
+        fused = FusedLayers.of(list(self.layers))
+        self._fused_layers = (_weights_key(self.layers), fused)
+        return fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits."""
@@ -131,3 +152,8 @@ def _fused_part(path: str) -> tuple[str, int] | None:
         if path.endswith(suffix):
             return path[: -len(suffix)] + fused, part
     return None
+
+
+def _weights_key(layers: nn.ModuleList) -> tuple:
+    """Each layer and its fused weights (None where it has none), by identity."""
+    return tuple((id(layer), id(getattr(layer, "_fused", None))) for layer in layers)

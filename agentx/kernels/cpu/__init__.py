@@ -8,19 +8,21 @@ library builds on first use (``build.py``). Callers check :func:`available` firs
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from agentx.kernels.cpu.build import available, get_build_dir
-from agentx.kernels.cpu.fused_layer import FusedLayerWeights, FusedLinear
+from agentx.kernels.cpu.fused_layer import FusedLayerStack, FusedLayerWeights, FusedLinear
 from agentx.kernels.ref.kquant import KQUANT_TYPES
 
 __all__ = [
+    "FusedLayerStack",
     "FusedLayerWeights",
     "FusedLinear",
     "available",
     "fused_decoder_layer",
+    "fused_decoder_layers",
     "get_build_dir",
     "get_isa",
     "has_amx",
@@ -151,6 +153,47 @@ def fused_decoder_layer(
         tensors,
         bits,
         kv_cache,
+        slot_mapping,
+        block_tables,
+        token_req,
+        token_len,
+        num_heads,
+        eps,
+        scale,
+        sliding_window or 0,
+        keep,
+    )
+
+
+def fused_decoder_layers(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    stack: FusedLayerStack,
+    kv_caches: Sequence[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_req: torch.Tensor,
+    token_len: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    scale: float,
+    sliding_window: int | None,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fused_decoder_layer` for consecutive layers in one call, layer i with
+    ``stack.layers[i]`` and ``kv_caches[i]`` and everything else shared; ``keep`` applies to the
+    last. The same bits as calling them one by one, without the framework's work between."""
+    if len(kv_caches) != len(stack.layers):
+        raise ValueError(f"{len(stack.layers)} layers but {len(kv_caches)} KV caches")
+    tensors, bits = stack.packed
+    return torch.ops.agentx.fused_decoder_layers(
+        x.contiguous(),
+        positions,
+        cos_sin,
+        tensors,
+        bits,
+        list(kv_caches),
         slot_mapping,
         block_tables,
         token_req,

@@ -23,7 +23,7 @@ from typing import ClassVar, NamedTuple, get_type_hints
 
 import torch
 
-__all__ = ["FusedLayerWeights", "FusedLinear"]
+__all__ = ["FusedLayerStack", "FusedLayerWeights", "FusedLinear"]
 
 _NO_BITS = 0  # FusedLinear.bits of a run that is not there
 
@@ -107,6 +107,27 @@ class FusedLayerWeights:
             else:
                 names.append(field.name)
         return names
+
+
+@dataclass(frozen=True, slots=True)
+class FusedLayerStack:
+    """Consecutive layers' weights for :func:`~agentx.kernels.cpu.fused_decoder_layers`:
+    ``packed`` holds each layer's two lists one after the other, built once here."""
+
+    layers: tuple[FusedLayerWeights, ...]
+    packed: tuple[list[torch.Tensor], list[int]] = dataclasses.field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a stack takes at least one layer")
+        tensors: list[torch.Tensor] = []
+        bits: list[int] = []
+        for layer in self.layers:
+            tensors += layer.packed[0]
+            bits += layer.packed[1]
+        object.__setattr__(self, "packed", (tensors, bits))
 
 
 def _weight_fields() -> tuple[dataclasses.Field, ...]:

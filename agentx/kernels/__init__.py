@@ -158,6 +158,20 @@ def quantized_linear(
     return backend.quantized_linear(x, qweight, scale, mins, bias, bits)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """(rows,) int64: ``logits.argmax(dim=-1)`` of (rows, vocab) logits, through the compiled
+    kernel where it takes them (float32 on the CPU, kernels enabled)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and cpu_kernels_enabled()
+    ):
+        return _cpu.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def cpu_attention_fits(kv_cache: torch.Tensor) -> bool:
     """Whether the compiled paged attention takes this cache (device, head size, block size)."""
     return (
@@ -215,6 +229,7 @@ __all__ = [
     "FusedLayerWeights",
     "FusedLinear",
     "apply_rotary",
+    "argmax_rows",
     "causal_conv1d",
     "conv_window",
     "cpu_attention_fits",

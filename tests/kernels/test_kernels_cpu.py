@@ -380,3 +380,32 @@ def test_build_ignores_the_lock_file_a_killed_build_left(tmp_path, monkeypatch):
     assert build._build_and_load(verbose=False)
     # built once; then loaded, since the fake builder loaded nothing
     assert calls == [str(folder), str(folder / "agentx_cpu_kernels.so")]
+
+
+@needs_kernels
+def test_argmax_rows_gives_torchs_argmax():
+    # the first maximum of each row (ties, -0 beside +0, all -inf), the first NaN where a row
+    # has one, rows shorter and longer than a register, at any thread count
+    gen = torch.Generator().manual_seed(11)
+    for vocab in (1, 7, 8, 9, 49152, 151936):
+        logits = torch.randn(37, vocab, generator=gen)
+        if vocab > 8:
+            logits[1, 3] = logits[1, vocab - 2] = logits[1].max() + 1  # a tie: the first
+            logits[2] = 0.0
+            logits[2, 5] = -0.0  # -0 equals +0: index 0
+            logits[3] = float("-inf")
+            logits[4, vocab - 1] = float("nan")
+            logits[5, 6] = float("nan")
+            logits[5, 2] = float("nan")
+            logits[6, vocab - 1] = float("inf")
+        want = logits.argmax(dim=-1)
+        assert torch.equal(cpu.argmax_rows(logits), want), vocab
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(cpu.argmax_rows(logits), want), vocab
+        finally:
+            torch.set_num_threads(threads)
+    assert cpu.argmax_rows(torch.empty(0, 5)).shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))

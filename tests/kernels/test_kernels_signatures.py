@@ -52,6 +52,8 @@ CPU_ONLY = {
     # consecutive fused layers in one call (the same op layer by layer): tested in
     # tests/kernels/test_fused_layer.py against the layer loop
     "fused_decoder_layers",
+    # greedy sampling's argmax (torch.argmax is its reference): tests/kernels/test_kernels_cpu.py
+    "argmax_rows",
     # a host-side layout helper for the compiled attention (token_req / token_len), not an op
     "token_layout",
 }

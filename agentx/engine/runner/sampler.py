@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from agentx import kernels
 from agentx.engine.sampling import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # mixes the output index into the seed
@@ -22,7 +23,7 @@ def sample(
     indices: Sequence[int],
 ) -> list[int]:
     """logits (N, V) float32 -> one token id per row."""
-    out = logits.argmax(dim=-1).tolist()
+    out = kernels.argmax_rows(logits).tolist()
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     for i in random_rows:
         p = params[i]

@@ -20,6 +20,7 @@ __all__ = [
     "FusedLayerStack",
     "FusedLayerWeights",
     "FusedLinear",
+    "argmax_rows",
     "available",
     "fused_decoder_layer",
     "fused_decoder_layers",
@@ -111,6 +112,12 @@ def paged_attention(
         q.float(), kv_cache, block_tables, token_req, token_len, scale, sliding_window or 0
     )
     return out.to(q.dtype)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """(rows,) int64: each row's ``logits.argmax(dim=-1)`` (the first maximum, or the row's first
+    NaN) of a (rows, vocab) float32 CPU tensor, on the kernels' team (csrc/argmax.cpp)."""
+    return torch.ops.agentx.argmax_rows(logits.contiguous())
 
 
 def token_layout(query_start_loc: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, ...]:

@@ -42,6 +42,7 @@ _SOURCES = (
     "paged_attention.cpp",
     "kv_int8.cpp",
     "decoder_layer.cpp",
+    "argmax.cpp",
     "parallel.cpp",
 )
 # -fopenmp: at::parallel_for is a header template around `#pragma omp parallel`; without the

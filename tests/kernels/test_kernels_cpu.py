@@ -285,22 +285,22 @@ def test_prefill_rows_equal_the_same_rows_alone(dtype):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 256), (12, 2, 128)])
 def test_tile_rows_in_pairs_equal_rows_alone(dtype, heads, kv_heads, head_dim):
     # AVX2 takes a bf16 tile's rows two at a time (three heads a pass: groups of 3, 4 = 3 + 1
-    # and 6 = 3 + 3), a row with one key more than its partner finishing alone; a 13-row chunk
-    # makes tiles of 8 and 5 rows (the last row without a partner) and ends mid-chunk, so the
+    # and 6 = 3 + 3), a row with one key more than its partner finishing alone; a 21-row chunk
+    # makes tiles of 16 and 5 rows (the last row without a partner) and ends mid-chunk, so the
     # rows of a pair differ in keys. Every row equals the same row decoded alone, bit for bit
     # (AVX-512 with BF16 scores a tile's rows from each chunk's K transposed, a row alone from
     # K as stored: the same arithmetic).
     gen = torch.Generator().manual_seed(head_dim)
     cache = _random_cache(14, 16, kv_heads, head_dim, dtype, 0, gen)
     table = (torch.randperm(13, generator=gen)[:12] + 1).view(1, -1)
-    q = torch.randn(13, heads, head_dim, generator=gen)
+    q = torch.randn(21, heads, head_dim, generator=gen)
     no_decodes = torch.tensor([], dtype=torch.long)
-    chunk = (q, cache, [0, 13], [185], table, no_decodes, [0], head_dim**-0.5, None)
+    chunk = (q, cache, [0, 21], [185], table, no_decodes, [0], head_dim**-0.5, None)
     got = cpu.paged_attention(*chunk)
     _assert_matches_reference(got, q, cache, *chunk[2:])
-    for r in range(13):
+    for r in range(21):
         alone = cpu.paged_attention(
-            q[r : r + 1], cache, [0, 1], [173 + r], table, torch.tensor([0]), [], head_dim**-0.5
+            q[r : r + 1], cache, [0, 1], [165 + r], table, torch.tensor([0]), [], head_dim**-0.5
         )
         assert torch.equal(alone[0], got[r])
 
@@ -311,7 +311,7 @@ def test_tile_rows_in_pairs_equal_rows_alone(dtype, heads, kv_heads, head_dim):
 def test_chunks_across_blocks_equal_rows_alone(dtype, block_size, window):
     # The softmax folds 64-key chunks: with 8-token blocks a chunk is 8 segments in shuffled
     # blocks, with 128-token blocks a chunk is a block; a window starts a row's keys mid-chunk.
-    # A 70-row chunk at context 700 (two 512-key splits, tiles of 8 rows) equals the reference,
+    # A 70-row chunk at context 700 (two 512-key splits, tiles of 16 rows) equals the reference,
     # and each row equals the same row alone, bit for bit, whatever the thread count.
     gen = torch.Generator().manual_seed(block_size)
     num_blocks = 2 + -(-700 // block_size)

@@ -112,7 +112,7 @@ def test_int8_mixed_prefill_and_decode_rows():
 @needs_kernels
 @pytest.mark.parametrize("block_size,window", [(8, None), (16, None), (128, None), (8, 37)])
 def test_int8_chunk_rows_equal_rows_alone(block_size, window):
-    # A 70-row chunk at context 700 (two 512-key splits, tiles of 8 rows, 64-key chunks over
+    # A 70-row chunk at context 700 (two 512-key splits, tiles of 16 rows, 64-key chunks over
     # shuffled blocks) equals the reference, and each row equals the same row decoded alone,
     # bit for bit, whatever the thread count: what makes prefix hits and chunking exact.
     gen = torch.Generator().manual_seed(block_size)

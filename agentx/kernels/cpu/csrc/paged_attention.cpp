@@ -1383,8 +1383,11 @@ TileFn<T> tile_fn(int64_t head_dim) {
 
 // Keys a split: long contexts are cut so that a few requests still keep every thread busy.
 constexpr int64_t kSplitTokens = 512;
-// Rows a tile: consecutive tokens of one request that share each K/V chunk.
-constexpr int64_t kTileRows = 8;
+// Rows a tile: consecutive tokens of one request that share each K/V chunk (its transposed K
+// and its V rows in L1). 16 against 8: a chunk of 256 rows at 2K keys 11.4 -> 10.7 ms on one
+// Zen 4 thread, 32 rows 3-5% faster too; 32 a tile is faster still on one thread but leaves a
+// short chunk too few items for two (32 rows at 700 keys: 2 items, 263 -> 355 us).
+constexpr int64_t kTileRows = 16;
 
 template <typename T>
 void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_t* tables,

@@ -18,27 +18,26 @@ def _runner(num_slots: int = 2, num_blocks: int = 6, page: int = 40) -> SimpleNa
     return SimpleNamespace(kv_slots=slots, device=torch.device("cpu"))
 
 
-def test_disjoint_copies_copy_each_block_in_every_slot():
+def _copied(copies: list[BlockCopy]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each slot after ``copies``, beside its bytes before."""
     runner = _runner()
     before = [slot.clone() for slot in runner.kv_slots]
-    ModelRunner.copy_blocks(runner, [BlockCopy(1, 4), BlockCopy(2, 5)])
-    for slot, old in zip(runner.kv_slots, before, strict=True):
+    ModelRunner.copy_blocks(runner, copies)
+    return list(zip(runner.kv_slots, before, strict=True))
+
+
+def test_disjoint_copies_copy_each_block_in_every_slot():
+    for slot, old in _copied([BlockCopy(1, 4), BlockCopy(2, 5)]):
         assert torch.equal(slot[4], old[1]) and torch.equal(slot[5], old[2])
         assert torch.equal(slot[:4], old[:4])  # the sources and the rest untouched
 
 
 def test_a_block_both_read_and_written_is_read_first():
-    runner = _runner()
-    before = [slot.clone() for slot in runner.kv_slots]
     # block 2 is a destination and a source: the second copy takes 2's old bytes
-    ModelRunner.copy_blocks(runner, [BlockCopy(1, 2), BlockCopy(2, 3)])
-    for slot, old in zip(runner.kv_slots, before, strict=True):
+    for slot, old in _copied([BlockCopy(1, 2), BlockCopy(2, 3)]):
         assert torch.equal(slot[2], old[1]) and torch.equal(slot[3], old[2])
         assert torch.equal(slot[4:], old[4:]) and torch.equal(slot[:2], old[:2])
 
 
 def test_no_copies_touch_nothing():
-    runner = _runner()
-    before = [slot.clone() for slot in runner.kv_slots]
-    ModelRunner.copy_blocks(runner, [])
-    assert all(torch.equal(a, b) for a, b in zip(runner.kv_slots, before, strict=True))
+    assert all(torch.equal(slot, old) for slot, old in _copied([]))

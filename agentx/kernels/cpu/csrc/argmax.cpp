@@ -70,6 +70,8 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(agentx, lib) { lib.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows); }
+TORCH_LIBRARY_FRAGMENT(agentx, lib) {
+  lib.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows);
+}
 
 }  // namespace agentx

@@ -155,5 +155,7 @@ def _fused_part(path: str) -> tuple[str, int] | None:
 
 
 def _weights_key(layers: nn.ModuleList) -> tuple:
-    """Each layer and its fused weights (None where it has none), by identity."""
-    return tuple((id(layer), id(getattr(layer, "_fused", None))) for layer in layers)
+    """Each layer and its fused weights (None where it has none), by identity. Read from the
+    instance dict: a layer without ``_fused`` (not a DecoderLayer) would otherwise raise and
+    catch an AttributeError in nn.Module's lookup every step."""
+    return tuple((id(layer), id(vars(layer).get("_fused"))) for layer in layers)

@@ -130,6 +130,27 @@ def test_activation_quantization_exact_values():
     assert dx[0, 0].item() == pytest.approx(0.02) and sx[0, 0].item() == pytest.approx(2.54)
 
 
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 17, 40])
+def test_kernel_quantizes_activations_exactly(m):
+    # int8 weights of 127 times the identity: y[r, c] = (127 xq[r, c]) * dx[r, c / 32], one
+    # rounding in the kernel and in the reference, so the kernel's xq and dx show bit for bit
+    k = 96
+    eye = torch.eye(k) * 127
+    packed = quant.pack_weight(*quant.quantize_weight(eye, 8), 8)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[0, 32:64] = 0.0  # an all-zero group: dx 0, xq 0
+    x[-1, :32] = torch.arange(32) - 16.5  # ties: amax 127 (x * 127 / amax = x), halves to even
+    x[-1, 0] = 127.0
+    x[-1, 64:] = torch.randn(32, generator=gen) * 1e-30  # tiny scales
+    xq, dx, _ = quant.quantize_activations(x)
+    want = 127.0 * xq.float() * dx.repeat_interleave(32, dim=1)
+    for isa in ("avx2", "avx512") if cpu.get_isa() != "avx2" else ("avx2",):
+        with cpu.use_isa(isa):
+            assert torch.equal(cpu.quantized_linear(x, *packed, None, 8), want)
+
+
 def _random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, pad, gen):
     page = 2 * block_size * num_kv_heads * head_dim
     pages = torch.randn(num_blocks, page + pad, generator=gen).to(dtype)

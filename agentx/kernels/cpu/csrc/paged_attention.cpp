@@ -1388,6 +1388,8 @@ constexpr int64_t kSplitTokens = 512;
 // Zen 4 thread, 32 rows 3-5% faster too; 32 a tile is faster still on one thread but leaves a
 // short chunk too few items for two (32 rows at 700 keys: 2 items, 263 -> 355 us).
 constexpr int64_t kTileRows = 16;
+// Rows of queries a thread rounds to bf16 at least (a decode step's rows: one thread).
+constexpr int64_t kRoundRows = 32;
 
 template <typename T>
 void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_t* tables,
@@ -1440,10 +1442,13 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
     const int64_t t = item_tile[it];
     item_state[it + 1] = item_state[it] + (tile_first[t + 1] - tile_first[t]) * heads;
   }
-  std::vector<float> acc(item_state[items] * head_dim, 0.f);
-  std::vector<State> states(item_state[items]);
+  // The states' sums live in the scratch arena (a 512-row chunk at 2K keys keeps 4.7 MB of
+  // them); each item zeroes its own in the parallel loop below, where it then uses them.
+  ScratchFrame scratch;
+  float* acc = scratch.take<float>(item_state[items] * head_dim);
+  State* states = scratch.take<State>(item_state[items]);
   for (int64_t s = 0; s < item_state[items]; ++s) {
-    states[s] = {acc.data() + s * head_dim, -std::numeric_limits<float>::infinity(), 0.f};
+    states[s] = {acc + s * head_dim, -std::numeric_limits<float>::infinity(), 0.f};
   }
   // Items differ in cost by 100x (a decode row's split vs a tile of prefill rows), so threads
   // claim them one at a time, costliest first, instead of taking fixed halves of the list;
@@ -1457,10 +1462,12 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
   }
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  ScratchFrame scratch;
   if constexpr (std::is_same_v<T, at::BFloat16>) {  // scores take the query rounded to bf16
     float* rounded = scratch.take<float>(rows * heads * head_dim);
-    round_to_bf16(q, rows * heads * head_dim, rounded);
+    const int64_t row = heads * head_dim;
+    parallel_for(0, rows, kRoundRows, [&](int64_t begin, int64_t end) {
+      round_to_bf16(q + begin * row, (end - begin) * row, rounded + begin * row);
+    });
     q = rounded;
   }
   std::atomic<int64_t> next{0};
@@ -1471,9 +1478,10 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
       const int64_t it = order[claimed];
       const int64_t r0 = tile_first[item_tile[it]], n = tile_first[item_tile[it] + 1] - r0;
       for (int64_t i = 0; i < n; ++i) ends[i] = std::min(token_len[r0 + i], item_hi[it]);
+      std::fill(states[item_state[it]].acc, states[item_state[it + 1] - 1].acc + head_dim, 0.f);
       fn(q + r0 * heads * head_dim, heads * head_dim, cache, block_stride,
          tables + token_req[r0] * table_stride, item_lo[it], ends, n, block_size, num_kv_heads,
-         group, scale, states.data() + item_state[it]);
+         group, scale, states + item_state[it]);
     }
   });
   // merge each row's splits, in order: rescale each to the common max

@@ -54,45 +54,81 @@ constexpr int64_t kShareInL2 = 512 * 1024;
 // Per row and group of 32: dx = amax / 127, xq = rint(x * 127 / amax), sx = dx * sum(xq).
 // Vectorized, with the scalar definition's exact results: the max and the integer sum are
 // exact in any order, and the rounding is the same round-half-to-even of the same products.
+// A row's groups follow the previous row's (x and xq have k a row, dx and sx k / 32), so a
+// range of rows is one run of groups, taken 8 at a time: their maxima side by side, one vector
+// division each for their 8 scales and 8 inverses (the same IEEE quotients), then each group's
+// products (one group at a time: 28 -> 18 cycles a group on Zen 4).
+inline __m256 group_amax(const float* src) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(src));
+  for (int j = 1; j < 4; ++j) {
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + 8 * j)));
+  }
+  return m;
+}
+
+// lane u: the largest of m[u]'s 8 lanes
+inline __m256 hmax8x8(const __m256* m) {
+  __m256 a[4];
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm256_max_ps(_mm256_unpacklo_ps(m[2 * i], m[2 * i + 1]),
+                         _mm256_unpackhi_ps(m[2 * i], m[2 * i + 1]));
+  }
+  const __m256 b0 =
+      _mm256_max_ps(_mm256_shuffle_ps(a[0], a[1], 0x44), _mm256_shuffle_ps(a[0], a[1], 0xEE));
+  const __m256 b1 =
+      _mm256_max_ps(_mm256_shuffle_ps(a[2], a[3], 0x44), _mm256_shuffle_ps(a[2], a[3], 0xEE));
+  return _mm256_max_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                       _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// n consecutive groups (x: 32 n floats; xq, dx, sx: those groups' places)
+void quantize_run(const float* x, int64_t n, int8_t* xq, float* dx, float* sx) {
+  const __m256 steps = _mm256_set1_ps(127.f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i);
+    __m256 each[8];  // a last run of fewer than 8 repeats its last group
+    for (int64_t u = 0; u < 8; ++u) each[u] = group_amax(x + (i + std::min(u, m - 1)) * kGroup);
+    const __m256 top = hmax8x8(each);
+    const __m256 d = _mm256_div_ps(top, steps);
+    const __m256 inv = _mm256_and_ps(_mm256_div_ps(steps, top),
+                                     _mm256_cmp_ps(top, _mm256_setzero_ps(), _CMP_GT_OQ));
+    alignas(32) float ds[8], invs[8], totals[8];
+    _mm256_store_ps(ds, d);
+    _mm256_store_ps(invs, inv);
+    for (int64_t u = 0; u < m; ++u) {
+      const float* src = x + (i + u) * kGroup;
+      const __m256 scale = _mm256_set1_ps(invs[u]);
+      __m256i q[4];
+      __m256i sum = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        // rint in the default rounding mode (to nearest even), as std::nearbyint
+        q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * j), scale));
+        sum = _mm256_add_epi32(sum, q[j]);
+      }
+      // int32 -> int8 (|q| <= 127): pack to 16 then 8 bits, undoing the lane interleave
+      const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+      const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + (i + u) * kGroup), p);
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      totals[u] = static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+    for (int64_t u = 0; u < m; ++u) {
+      dx[i + u] = ds[u];
+      sx[i + u] = ds[u] * totals[u];
+    }
+  }
+}
+
 void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx, float* sx) {
   const int64_t groups = k / kGroup;
-  const __m256 sign = _mm256_set1_ps(-0.f);
   parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const float* src = x + r * k + g * kGroup;
-        int8_t* dst = xq + r * k + g * kGroup;
-        __m256 v[4];
-        __m256 m = _mm256_setzero_ps();
-        for (int j = 0; j < 4; ++j) {
-          v[j] = _mm256_loadu_ps(src + 8 * j);
-          m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[j]));
-        }
-        m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
-        m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
-        const float amax = _mm256_cvtss_f32(m);
-        const float d = amax / 127.f;
-        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-        __m256i sum = _mm256_setzero_si256();
-        __m256i q[4];
-        for (int j = 0; j < 4; ++j) {
-          // rint in the default rounding mode (to nearest even), as std::nearbyint
-          q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
-          sum = _mm256_add_epi32(sum, q[j]);
-        }
-        // int32 -> int8 (|q| <= 127): pack to 16 then 8 bits, undoing the lane interleave
-        const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
-        const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23),
-                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), p);
-        alignas(32) int32_t s[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(s), sum);
-        const int total = s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7];
-        dx[r * groups + g] = d;
-        sx[r * groups + g] = d * static_cast<float>(total);
-      }
-    }
+    const int64_t first = begin * groups;
+    quantize_run(x + first * kGroup, (end - begin) * groups, xq + first * kGroup, dx + first,
+                 sx + first);
   });
 }
 

@@ -178,6 +178,10 @@ inline __m256 tail_mask(int64_t n) {
 // DRAM 6-7% faster; issuing them in tighter bursts (a cheaper step) 13-17% slower. From L3
 // the calls cost ~20% of a decode row, but a step's KV comes from DRAM. `want`: lines to
 // issue per call.
+//
+// Blocks from `split` on are the thread's next item's (`then`: its table, shifted so that
+// block split + i is its first block + i): its first chunks arrive while this item's last
+// ones are read, not at its start.
 struct Prefetcher {
   const char* cache = nullptr;
   int64_t block_bytes = 0;  // one block's K and V, contiguous
@@ -187,10 +191,13 @@ struct Prefetcher {
   int64_t offset = 0;  // bytes of it already asked for
   int64_t limit = 0;  // fetch blocks below this
   int64_t want = 0;
+  int64_t split = INT64_MAX;
+  const int64_t* then = nullptr;
 
   __attribute__((always_inline)) inline void step() {
     for (int64_t i = 0; i < want && next < limit; ++i) {
-      _mm_prefetch(cache + table[next] * stride_bytes + offset, _MM_HINT_T1);
+      const int64_t block = next < split ? table[next] : then[next - split];
+      _mm_prefetch(cache + block * stride_bytes + offset, _MM_HINT_T1);
       offset += 64;
       if (offset >= block_bytes) {
         offset = 0;
@@ -1247,11 +1254,21 @@ constexpr int64_t kAheadChunks = 2;
 //   keys   lo          c*64        (c+1)*64          hi
 //          |--chunk--|----chunk------|---- ... -----|
 //          [blk][blk][blk][blk][blk]...   (blocks of block_size tokens, anywhere in memory)
+// The blocks an item reads (table[first, end)) and how far the item before it on its thread
+// fetched them (`next`, `offset`: its Prefetcher's position when it ended).
+struct ItemBlocks {
+  const int64_t* table;
+  int64_t first;
+  int64_t end;
+  int64_t next;
+  int64_t offset;
+};
+
 template <typename T, int D, bool Wide>
 void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t block_stride,
                  const int64_t* table, int64_t lo, const int64_t* ends, int64_t tile_rows,
                  int64_t block_size, int64_t num_kv_heads, int64_t group, float scale,
-                 State* states) {
+                 State* states, int64_t fetched, int64_t fetched_offset, ItemBlocks* after) {
   alignas(32) float score[kHeadsAPass<Wide> * kScoreStride];
   // two rows of a tile at a time where pair_values applies (bf16, AVX2)
   constexpr bool kPairs = !Wide && std::is_same_v<T, at::BFloat16>;
@@ -1293,11 +1310,23 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   pf.block_bytes = 2 * block_size * token_stride * static_cast<int64_t>(sizeof(T));
   pf.stride_bytes = block_stride * static_cast<int64_t>(sizeof(T));
   pf.table = table;
-  pf.next = lo / block_size;
+  pf.next = std::max(lo / block_size, fetched);
+  pf.offset = pf.next == fetched ? fetched_offset : 0;
+  int64_t fetch_end = num_blocks;  // then the next item's blocks, past this item's
+  if (after != nullptr) {
+    pf.split = num_blocks;
+    pf.then = after->table + after->first;
+    fetch_end += after->end - after->first;
+  }
   Prefetcher idle;  // fetches nothing (want 0)
   for (int64_t start = lo; start < hi;) {
     const int64_t end = std::min(hi, (start / chunk + 1) * chunk);
-    const int64_t ahead = std::min(num_blocks, ((end + kAheadChunks * chunk - 1) / block_size) + 1);
+    // kAheadChunks chunks past this one, in this item's blocks or then the next item's (its
+    // first key starts a chunk and a block)
+    const int64_t past = end + kAheadChunks * chunk;
+    const int64_t ahead = std::min(
+        fetch_end, past <= hi ? (past - 1) / block_size + 1
+                              : num_blocks + (past - hi + block_size - 1) / block_size);
     pf.finish();  // the previous chunk's share, if its loops ran short
     pf.limit = ahead;
     {
@@ -1356,6 +1385,10 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
     }
     start = end;
   }
+  if (after != nullptr) {  // where the next item's fetching stands
+    after->next = pf.next <= num_blocks ? after->first : after->first + (pf.next - num_blocks);
+    after->offset = pf.next < num_blocks ? 0 : pf.offset;
+  }
   if constexpr (kPaired) {
     for (int64_t i = 0; i < tile_rows * heads; ++i) {
       if constexpr (Wide) {
@@ -1369,7 +1402,8 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
 
 template <typename T>
 using TileFn = void (*)(const float*, int64_t, const T*, int64_t, const int64_t*, int64_t,
-                        const int64_t*, int64_t, int64_t, int64_t, int64_t, float, State*);
+                        const int64_t*, int64_t, int64_t, int64_t, int64_t, float, State*,
+                        int64_t, int64_t, ItemBlocks*);
 
 template <typename T, bool Wide>
 TileFn<T> tile_fn(int64_t head_dim) {
@@ -1472,16 +1506,33 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
   }
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
+  // An item's blocks: its tile's table from the item's first key to its last row's last key.
+  const auto blocks = [&](int64_t it) {
+    const int64_t r0 = tile_first[item_tile[it]], last = tile_first[item_tile[it] + 1] - 1;
+    const int64_t hi = std::min(token_len[last], item_hi[it]);
+    return ItemBlocks{tables + token_req[r0] * table_stride, item_lo[it] / block_size,
+                      (hi - 1) / block_size + 1, item_lo[it] / block_size, 0};
+  };
   parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     int64_t ends[kTileRows];
-    for (int64_t claimed; (claimed = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+    const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
+    // a thread claims its next item before it runs the one it has, so that the one it has
+    // fetches the next one's first chunks at its end
+    int64_t claimed = claim();
+    ItemBlocks mine = claimed < items ? blocks(order[claimed]) : ItemBlocks{};
+    while (claimed < items) {
       const int64_t it = order[claimed];
+      const int64_t then = claim();
+      ItemBlocks after = then < items ? blocks(order[then]) : ItemBlocks{};
       const int64_t r0 = tile_first[item_tile[it]], n = tile_first[item_tile[it] + 1] - r0;
       for (int64_t i = 0; i < n; ++i) ends[i] = std::min(token_len[r0 + i], item_hi[it]);
       std::fill(states[item_state[it]].acc, states[item_state[it + 1] - 1].acc + head_dim, 0.f);
       fn(q + r0 * heads * head_dim, heads * head_dim, cache, block_stride,
          tables + token_req[r0] * table_stride, item_lo[it], ends, n, block_size, num_kv_heads,
-         group, scale, states + item_state[it]);
+         group, scale, states + item_state[it], mine.next, mine.offset,
+         then < items ? &after : nullptr);
+      claimed = then;
+      mine = after;
     }
   });
   // merge each row's splits, in order: rescale each to the common max

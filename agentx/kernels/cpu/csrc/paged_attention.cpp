@@ -885,12 +885,12 @@ constexpr int kPairsStride = kMaxBlock / 2 + 16;
 
 // unpacked order back to dim order, in place (d a multiple of 64)
 inline void from_unpacked(float* x, int64_t d) {
-  float slice[64];
   for (int64_t c = 0; c < d; c += 64) {
-    std::memcpy(slice, x + c, sizeof(slice));
-    for (int i = 0; i < 64; ++i) {
-      const int j = i / 16, lane = (i % 16) / 4, w = i % 4;
-      x[c + 32 * (j / 2) + 8 * lane + 4 * (j % 2) + w] = slice[i];
+    __m128 slice[16];  // lane L of register j: 4 dims from 32 (j / 2) + 8 L + 4 (j % 2)
+    for (int s = 0; s < 16; ++s) slice[s] = _mm_loadu_ps(x + c + 4 * s);
+    for (int s = 0; s < 16; ++s) {
+      const int j = s / 4, lane = s % 4;
+      _mm_storeu_ps(x + c + 32 * (j / 2) + 8 * lane + 4 * (j % 2), slice[s]);
     }
   }
 }

@@ -1321,8 +1321,8 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   Prefetcher idle;  // fetches nothing (want 0)
   for (int64_t start = lo; start < hi;) {
     const int64_t end = std::min(hi, (start / chunk + 1) * chunk);
-    // kAheadChunks chunks past this one, in this item's blocks or then the next item's (its
-    // first key starts a chunk and a block)
+    // kAheadChunks chunks past this one, in this item's blocks or then the next item's (the
+    // keys past this item's end counted from the next one's first block)
     const int64_t past = end + kAheadChunks * chunk;
     const int64_t ahead = std::min(
         fetch_end, past <= hi ? (past - 1) / block_size + 1

@@ -1246,14 +1246,6 @@ constexpr int64_t kMaxSegments = kChunkTokens + 1;
 // prefetches spread over the value loops: docs/BENCHMARKS.md, "Decode attention from DRAM")
 constexpr int64_t kAheadChunks = 2;
 
-// Keys [lo, ends[tile_rows - 1]) for a tile of rows (ends[r]: row r's last key + 1,
-// nondecreasing) and every KV head with the `group` query heads reading it, chunk by chunk:
-// each chunk's K/V (whole token rows, all heads) comes from memory once for the whole tile.
-// states: tile_rows x heads, row-major.
-//
-//   keys   lo          c*64        (c+1)*64          hi
-//          |--chunk--|----chunk------|---- ... -----|
-//          [blk][blk][blk][blk][blk]...   (blocks of block_size tokens, anywhere in memory)
 // The blocks an item reads (table[first, end)) and how far the item before it on its thread
 // fetched them (`next`, `offset`: its Prefetcher's position when it ended).
 struct ItemBlocks {
@@ -1264,6 +1256,17 @@ struct ItemBlocks {
   int64_t offset;
 };
 
+// Keys [lo, ends[tile_rows - 1]) for a tile of rows (ends[r]: row r's last key + 1,
+// nondecreasing) and every KV head with the `group` query heads reading it, chunk by chunk:
+// each chunk's K/V (whole token rows, all heads) comes from memory once for the whole tile.
+// states: tile_rows x heads, row-major.
+//
+//   keys   lo          c*64        (c+1)*64          hi
+//          |--chunk--|----chunk------|---- ... -----|
+//          [blk][blk][blk][blk][blk]...   (blocks of block_size tokens, anywhere in memory)
+//
+// fetched, fetched_offset: how far the thread's previous item fetched this one's blocks; after:
+// the thread's next item, whose first chunks this one fetches at its end (or nullptr).
 template <typename T, int D, bool Wide>
 void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t block_stride,
                  const int64_t* table, int64_t lo, const int64_t* ends, int64_t tile_rows,

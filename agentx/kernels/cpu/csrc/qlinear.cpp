@@ -57,7 +57,7 @@ constexpr int64_t kShareInL2 = 512 * 1024;
 // A row's groups follow the previous row's (x and xq have k a row, dx and sx k / 32), so a
 // range of rows is one run of groups, taken 8 at a time: their maxima side by side, one vector
 // division each for their 8 scales and 8 inverses (the same IEEE quotients), then each group's
-// products (one group at a time: 28 -> 18 cycles a group on Zen 4).
+// products (one group at a time: 7.7 -> 4.9 ns a group on Zen 4, a standalone harness).
 inline __m256 group_amax(const float* src) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(src));

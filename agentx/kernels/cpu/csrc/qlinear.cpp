@@ -285,14 +285,16 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
     for (int64_t b0 = u0; b0 < p1; b0 += step) {
       const int64_t b1 = std::min(p1, b0 + step);
       // AVX-512: passes of up to kRowsWide rows, the rows split evenly among them (8 rows:
-      // two passes of 4, not 6 and 2)
+      // two passes of 4, not 6 and 2). An unblocked share's first pass fetches its next tiles
+      // ahead (the passes after it read them from L2; a block's, from the L2 of its own)
       for (int64_t r0 = 0, rows; r0 < m; r0 += rows) {
         const int64_t passes = (m - r0 + kRowsWide - 1) / kRowsWide;
         rows = (m - r0 + passes - 1) / passes;
         float* out[kRowsWide];
         for (int64_t r = 0; r < rows; ++r) out[r] = y + (r0 + r) * ldy + 2 * b0 * kTile;
         quantized_tiles_avx512(rows, 2 * b0, 2 * b1, int4, wp, tile_bytes, sp, mp,
-                               xwide + r0 * k, dxp + r0 * groups, sxp + r0 * groups, k, out);
+                               xwide + r0 * k, dxp + r0 * groups, sxp + r0 * groups, k, out,
+                               r0 == 0 && step == p1 - u0);
       }
     }
     float buf[kRowsInt4][kTile];

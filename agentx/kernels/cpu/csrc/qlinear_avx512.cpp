@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels.h"
@@ -38,11 +39,32 @@ AGENTX_AVX512 inline __m512 load_pair_ps(const float* p, int64_t tile_stride) {
                             _mm256_loadu_ps(p + tile_stride), 1);
 }
 
+// The weights of the next tiles a pass reads (their packed bytes, scales and mins: three runs),
+// brought into the caches a few lines a group of the tiles being read. A thread's four tiles at
+// a time are twelve short streams (2.3 KB each at K = 576) that the hardware prefetcher hardly
+// starts on before they end; a decode step's GEMMs find their weights in DRAM, the KV read
+// since the layer before having evicted them (8 rows x 30 SmolLM2 layers between attention
+// calls: 6.9-7.3 -> 6.2-6.5 ms, 3 alternated rounds, Zen 4).
+struct Ahead {
+  const char* p[3] = {nullptr, nullptr, nullptr};
+  int64_t bytes[3] = {0, 0, 0};
+  int64_t per_group[3] = {0, 0, 0};  // lines a group
+
+  AGENTX_AVX512 __attribute__((always_inline)) inline void step(int64_t g) const {
+    for (int s = 0; s < 3; ++s) {
+      for (int64_t i = g * per_group[s]; i < (g + 1) * per_group[s] && 64 * i < bytes[s]; ++i) {
+        _mm_prefetch(p[s] + 64 * i, _MM_HINT_T0);
+      }
+    }
+  }
+};
+
 // R rows x C pairs of tiles (16 C columns), int4 weights; out[r] gets 16 C floats.
 template <int R, int C>
 AGENTX_AVX512 void pairs_int4(const uint8_t* w, int64_t tile_bytes, const float* scale,
                               const float* mins, int64_t tile_floats, const int8_t* xq,
-                              const float* dx, const float* sx, int64_t k, float* const* out) {
+                              const float* dx, const float* sx, int64_t k, float* const* out,
+                              const Ahead* ahead) {
   const int64_t groups = k / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[R][C];
@@ -50,6 +72,7 @@ AGENTX_AVX512 void pairs_int4(const uint8_t* w, int64_t tile_bytes, const float*
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
+    if (ahead != nullptr) ahead->step(g);
     __m512i isum[R][C];
     for (int r = 0; r < R; ++r) {
       for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
@@ -90,7 +113,7 @@ AGENTX_AVX512 void pairs_int4(const uint8_t* w, int64_t tile_bytes, const float*
 template <int R, int C>
 AGENTX_AVX512 void pairs_int8(const uint8_t* w, int64_t tile_bytes, const float* scale,
                               int64_t tile_floats, const int8_t* xu, const float* dx, int64_t k,
-                              float* const* out) {
+                              float* const* out, const Ahead* ahead) {
   const int64_t groups = k / kGroup;
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R][C];
@@ -98,6 +121,7 @@ AGENTX_AVX512 void pairs_int8(const uint8_t* w, int64_t tile_bytes, const float*
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
+    if (ahead != nullptr) ahead->step(g);
     __m512i isum[R][C], wsum[C];
     for (int c = 0; c < C; ++c) {
       wsum[c] = _mm512_setzero_si512();
@@ -131,11 +155,12 @@ AGENTX_AVX512 void pairs_int8(const uint8_t* w, int64_t tile_bytes, const float*
 template <int R, int C>
 AGENTX_AVX512 void run_pairs(bool int4, const uint8_t* w, int64_t tile_bytes, const float* scale,
                              const float* mins, int64_t tile_floats, const int8_t* xq,
-                             const float* dx, const float* sx, int64_t k, float* const* out) {
+                             const float* dx, const float* sx, int64_t k, float* const* out,
+                             const Ahead* ahead) {
   if (int4) {
-    pairs_int4<R, C>(w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+    pairs_int4<R, C>(w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
   } else {
-    pairs_int8<R, C>(w, tile_bytes, scale, tile_floats, xq, dx, k, out);
+    pairs_int8<R, C>(w, tile_bytes, scale, tile_floats, xq, dx, k, out, ahead);
   }
 }
 
@@ -143,19 +168,25 @@ template <int C>
 AGENTX_AVX512 void run_rows(int64_t rows, bool int4, const uint8_t* w, int64_t tile_bytes,
                             const float* scale, const float* mins, int64_t tile_floats,
                             const int8_t* xq, const float* dx, const float* sx, int64_t k,
-                            float* const* out) {
+                            float* const* out, const Ahead* ahead) {
   switch (rows) {
-    case 6: run_pairs<6, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+    case 6:
+      run_pairs<6, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
       break;
-    case 5: run_pairs<5, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+    case 5:
+      run_pairs<5, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
       break;
-    case 4: run_pairs<4, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+    case 4:
+      run_pairs<4, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
       break;
-    case 3: run_pairs<3, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+    case 3:
+      run_pairs<3, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
       break;
-    case 2: run_pairs<2, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+    case 2:
+      run_pairs<2, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
       break;
-    default: run_pairs<1, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out);
+    default:
+      run_pairs<1, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
       break;
   }
 }
@@ -178,19 +209,40 @@ AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, 
                                           const uint8_t* w, int64_t tile_bytes,
                                           const float* scale, const float* mins,
                                           const int8_t* xq, const float* dx, const float* sx,
-                                          int64_t k, float* const* out) {
+                                          int64_t k, float* const* out, bool fetch_ahead) {
   const int64_t groups = k / kGroup, tile_floats = groups * kTile;
   float* o[qlinear::kRowsWide];
+  // with fetch_ahead: tiles [t + n, t + n + 4) (or fewer at the end) while [t, t + n) are read
+  const auto ahead_of = [&](int64_t t, int64_t n, Ahead* a) -> const Ahead* {
+    const int64_t next = t + n, count = std::min<int64_t>(4, t1 - next);
+    if (!fetch_ahead || count <= 0) return nullptr;
+    const char* base[3] = {reinterpret_cast<const char*>(w + next * tile_bytes),
+                           reinterpret_cast<const char*>(scale + next * tile_floats),
+                           mins ? reinterpret_cast<const char*>(mins + next * tile_floats)
+                                : nullptr};
+    const int64_t bytes[3] = {count * tile_bytes, count * tile_floats * 4,
+                              mins ? count * tile_floats * 4 : 0};
+    for (int s = 0; s < 3; ++s) {
+      a->p[s] = base[s];
+      a->bytes[s] = bytes[s];
+      a->per_group[s] = ((bytes[s] + 63) / 64 + groups - 1) / groups;
+    }
+    return a;
+  };
   int64_t t = t0;
   for (; t + 4 <= t1; t += 4) {
     for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;
+    Ahead a;
     run_rows<2>(rows, int4, w + t * tile_bytes, tile_bytes, scale + t * tile_floats,
-                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, k, o);
+                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, k, o,
+                ahead_of(t, 4, &a));
   }
   for (; t < t1; t += 2) {
     for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;
+    Ahead a;
     run_rows<1>(rows, int4, w + t * tile_bytes, tile_bytes, scale + t * tile_floats,
-                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, k, o);
+                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, k, o,
+                ahead_of(t, 2, &a));
   }
 }
 

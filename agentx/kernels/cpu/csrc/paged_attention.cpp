@@ -171,13 +171,15 @@ inline __m256 tail_mask(int64_t n) {
 }
 
 // Brings blocks into L2 ahead of their reads, a few cache lines at a time from inside the
-// value loops (and AVX2's bf16 score loop): the hardware prefetcher does not follow the block
-// table, and a burst of hundreds of prefetches at once stalls the core until memory answers
-// them (the FMAs then wait instead of overlapping the transfer). The wider they are spread,
-// the sooner the same lines arrive: on Zen 2, adding the score loop's calls made decode from
-// DRAM 6-7% faster; issuing them in tighter bursts (a cheaper step) 13-17% slower. From L3
-// the calls cost ~20% of a decode row, but a step's KV comes from DRAM. `want`: lines to
-// issue per call.
+// value loops and the bf16 score loops (AVX2's, and AVX-512's for rows that read K
+// untransposed: decode rows): the hardware prefetcher does not follow the block table, and a
+// burst of hundreds of prefetches at once stalls the core until memory answers them (the FMAs
+// then wait instead of overlapping the transfer). The wider they are spread, the sooner the
+// same lines arrive: on Zen 2, adding AVX2's score loop calls made decode from DRAM 6-7%
+// faster, issuing them in tighter bursts (a cheaper step) 13-17% slower; on Zen 4, AVX-512's
+// score loop calls (one a key) made 8 x 2K decode rows ~6% faster, one a 64-byte line of K, or a
+// cheaper step that issues a call's lines back to back, slower. From L3 the calls cost ~20% of
+// a decode row, but a step's KV comes from DRAM. `want`: lines to issue per call.
 //
 // Blocks from `split` on are the thread's next item's (`then`: its table, shifted so that
 // block split + i is its first block + i): its first chunks arrive while this item's last
@@ -680,12 +682,14 @@ AGENTX_AVX512BF16 void to_bf16(const float* src, int64_t d, at::BFloat16* dst) {
 // order, D floats apart): their scores at score[h * kScoreStride + j]
 template <int D, int NH, int KB>
 AGENTX_AVX512BF16 __attribute__((always_inline)) inline void bf16_key_block(
-    const float* qb, const at::BFloat16* k, int n, int64_t ts, __m128 scale4, float* score) {
+    const float* qb, const at::BFloat16* k, int n, int64_t ts, __m128 scale4, float* score,
+    Prefetcher* pf) {
   __m512 acc[NH][KB];
   for (int h = 0; h < NH; ++h) {
     for (int j = 0; j < KB; ++j) acc[h][j] = _mm512_setzero_ps();
   }
   for (int j = 0; j < KB && j < n; ++j) {
+    pf->step();
     for (int c = 0; c < D; c += kPairGroup) {
       const __m512bh x = (__m512bh)_mm512_loadu_si512(k + j * ts + c);
       for (int h = 0; h < NH; ++h) {
@@ -708,19 +712,22 @@ AGENTX_AVX512BF16 __attribute__((always_inline)) inline void bf16_key_block(
 }
 
 // bf16_scores, a block of keys at a time (8, or 4 for more than 3 heads: NH x KB accumulators)
-// so that four keys' lanes fold together
+// so that four keys' lanes fold together; a Prefetcher step a key
 template <int D, int NH>
 AGENTX_AVX512BF16 void bf16_scores_avx512(const float* qb, const at::BFloat16* kb,
-                                          int64_t count, int64_t ts, float scale, float* score) {
+                                          int64_t count, int64_t ts, float scale, float* score,
+                                          Prefetcher* pf_home) {
+  PrefetchScope pf_scope(pf_home);
+  Prefetcher* pf = &pf_scope.f;
   constexpr int KB = NH > 3 ? 4 : 8;
   const __m128 scale4 = _mm_set1_ps(scale);
   int64_t t = 0;
   for (; t + KB <= count; t += KB) {
-    bf16_key_block<D, NH, KB>(qb, kb + t * ts, KB, ts, scale4, score + t);
+    bf16_key_block<D, NH, KB>(qb, kb + t * ts, KB, ts, scale4, score + t, pf);
   }
   if (t < count) {
     bf16_key_block<D, NH, KB>(qb, kb + t * ts, static_cast<int>(count - t), ts, scale4,
-                              score + t);
+                              score + t, pf);
   }
 }
 
@@ -1034,7 +1041,7 @@ inline void chunk_softmax(const float* q, const Segment<T>* segs, int64_t count,
     const int64_t n = std::min(segs[s].count, count - off);
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if constexpr (Wide) {
-        bf16_scores_avx512<D, NH>(q, segs[s].k, n, ts, scale, score + off);
+        bf16_scores_avx512<D, NH>(q, segs[s].k, n, ts, scale, score + off, pf);
       } else {
         bf16_scores<D, NH>(q, segs[s].k, n, ts, scale, score + off, pf);
       }
@@ -1358,8 +1365,10 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
       int64_t calls = std::min(end, ends[tile_rows - 1]) - start;
       const int64_t passes =
           Wide && group >= 6 ? group / 6 + (group % 6 + 2) / 3 : (group + 2) / 3;
-      calls *= num_kv_heads * passes *
-               (Wide ? D / 64 : D / 32 + (std::is_same_v<T, at::BFloat16> ? 1 : 0));
+      // bf16 score loops call too: AVX2's always, AVX-512's where a row reads K untransposed
+      const bool score_calls = std::is_same_v<T, at::BFloat16> &&
+                               (!Wide || !(tile_rows > 1 && chunk <= kKtKeys));
+      calls *= num_kv_heads * passes * ((Wide ? D / 64 : D / 32) + (score_calls ? 1 : 0));
       pf.want = calls > 0 ? (lines + calls - 1) / calls : lines;
     }
     int64_t nsegs = 0;

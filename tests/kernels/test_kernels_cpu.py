@@ -306,7 +306,8 @@ def test_prefill_rows_equal_the_same_rows_alone(dtype):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 256), (12, 2, 128)])
 def test_tile_rows_in_pairs_equal_rows_alone(dtype, heads, kv_heads, head_dim):
     # AVX2 takes a bf16 tile's rows two at a time (three heads a pass: groups of 3, 4 = 3 + 1
-    # and 6 = 3 + 3), a row with one key more than its partner finishing alone; a 21-row chunk
+    # and 6 = 3 + 3), AVX-512 with BF16 too where the group is 3 (their value sums together),
+    # a row with one key more than its partner finishing alone; a 21-row chunk
     # makes tiles of 16 and 5 rows (the last row without a partner) and ends mid-chunk, so the
     # rows of a pair differ in keys. Every row equals the same row decoded alone, bit for bit
     # (AVX-512 with BF16 scores a tile's rows from each chunk's K transposed, a row alone from

@@ -279,13 +279,12 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   parallel_for(0, pairs + (tiles - 2 * pairs), 1, [&](int64_t u0, int64_t u1) {
     // work units: pairs [0, pairs), then single tiles 2 * pairs + (u - pairs)
     const int64_t p1 = std::min(u1, pairs);
-    const int64_t step =
-        (p1 - u0) * 2 * tile_weight_bytes <= kShareInL2 ? std::max<int64_t>(1, p1 - u0)
-                                                        : block_pairs;
+    const bool one_block = (p1 - u0) * 2 * tile_weight_bytes <= kShareInL2;
+    const int64_t step = one_block ? std::max<int64_t>(1, p1 - u0) : block_pairs;
     for (int64_t b0 = u0; b0 < p1; b0 += step) {
       const int64_t b1 = std::min(p1, b0 + step);
       // AVX-512: passes of up to kRowsWide rows, the rows split evenly among them (8 rows:
-      // two passes of 4, not 6 and 2). An unblocked share's first pass fetches its next tiles
+      // two passes of 4, not 6 and 2). A share of one block: its first pass fetches its next tiles
       // ahead (the passes after it read them from L2). Blocked shares do not: the int8 LM
       // head's long runs the hardware prefetcher follows, and fetching ahead made it slower
       // (from memory at 8 rows, 3 alternated rounds: 1.55-1.67 -> 1.83-2.05 ms; Zen 4)
@@ -296,7 +295,7 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
         for (int64_t r = 0; r < rows; ++r) out[r] = y + (r0 + r) * ldy + 2 * b0 * kTile;
         quantized_tiles_avx512(rows, 2 * b0, 2 * b1, int4, wp, tile_bytes, sp, mp,
                                xwide + r0 * k, dxp + r0 * groups, sxp + r0 * groups, k, out,
-                               r0 == 0 && step == p1 - u0);
+                               r0 == 0 && one_block);
       }
     }
     float buf[kRowsInt4][kTile];

@@ -76,6 +76,12 @@ class CacheConfig:
     # attention kernels (CPU only: the reference and the compiled kernels; about half the bytes
     # of bf16 a decode step reads, ~1.9x the tokens a pool holds; kernels/ref/kv_int8.py).
     kv_cache_dtype: str = "auto"
+    # CPU: ask the kernel for transparent huge pages (2 MiB) under the pool (``madvise``; used
+    # where /sys/kernel/mm/transparent_hugepage allows it). A decode step reads its requests'
+    # blocks scattered over the pool, and with 4 KiB pages most of them miss the TLB: an 8 x 2K
+    # decode step's attention took ~17% longer so (Zen 4, benchmarks/step_profile.py). The pool
+    # then becomes resident 2 MiB at a time per layer, not 4 KiB. False: 4 KiB pages.
+    huge_pages: bool = True
     # A programmable KV policy (engine/kv_cache/policy.py): what to keep, demote, prefetch and
     # soft-pin, and where to checkpoint. A KVPolicy instance (shared by every engine built from
     # this config) or a callable making one (a class: one per engine). None: the built-in
@@ -98,6 +104,8 @@ class CacheConfig:
             or self.block_size & (self.block_size - 1)
         ):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size!r}")
+        if not isinstance(self.huge_pages, bool):
+            raise ConfigError(f"huge_pages must be True or False, got {self.huge_pages!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8"):
             raise ConfigError(
                 "kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'int8', "

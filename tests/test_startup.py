@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentx import SamplingParams
+from agentx import CacheConfig, SamplingParams
 from agentx.engine.models.chat_template import compile_chat_template
 from agentx.engine.runner.kv_layout import allocate_zeroed
 from agentx.engine.structured import apply_bitmask
+from agentx.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,6 +104,44 @@ def test_cpu_kv_slots_read_zero_and_are_backed_only_when_written():
     assert int(slot[1000].sum()) == 0 and int(slot[3].sum()) == 35
     other = allocate_zeroed(2, 8, torch.device("cpu"))
     assert other.tolist() == [[0] * 8, [0] * 8]  # a fresh map, not the slot's memory
+
+
+def _advised_huge(tensor: torch.Tensor) -> bool:
+    """Whether the mapping holding ``tensor``'s first byte was madvised MADV_HUGEPAGE (its
+    VmFlags in /proc/self/smaps carry "hg")."""
+    address, inside = tensor.data_ptr(), False
+    with open("/proc/self/smaps") as file:
+        for line in file:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    raise AssertionError("no mapping holds the tensor")
+
+
+_THP = "/sys/kernel/mm/transparent_hugepage"
+
+
+@pytest.mark.skipif(
+    not os.path.exists(_THP), reason="this kernel has no transparent huge pages to ask for"
+)
+def test_cpu_kv_slots_ask_for_huge_pages_unless_told_not_to(make_engine):
+    cpu = torch.device("cpu")
+    huge = allocate_zeroed(8, 1 << 20, cpu, huge_pages=True)
+    plain = allocate_zeroed(8, 1 << 20, cpu, huge_pages=False)
+    assert _advised_huge(huge) and not _advised_huge(plain)
+    huge[7, -1] = 9  # still zeroed, still written in place
+    assert int(huge.sum()) == 9 and int(plain.sum()) == 0
+    # the engine's pool: huge pages by default, 4 KiB ones with CacheConfig(huge_pages=False)
+    for flag in (True, False):
+        engine = make_engine(cache=CacheConfig(num_blocks=64, huge_pages=flag))
+        slots = engine.core.runner.kv_slots
+        assert slots and all(_advised_huge(slot) == flag for slot in slots)
+        engine.check_integrity()
+    with pytest.raises(ConfigError, match="huge_pages must be True or False"):
+        CacheConfig(huge_pages="yes")
 
 
 @pytest.mark.slow

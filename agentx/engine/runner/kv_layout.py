@@ -10,7 +10,9 @@ doubled until the attention page holds it (a state must fit one page), so paddin
 The slots start zeroed (a page never written reads as zeros, never as NaN garbage). On the CPU they
 are anonymous memory maps: the kernel hands out zero pages as they are first written, so a 2 GiB
 pool costs nothing at start (``torch.zeros`` would write every byte, seconds) and resident memory
-grows with the blocks in use. On a GPU, ``torch.zeros`` is one fast memset.
+grows with the blocks in use. They ask for transparent huge pages (``CacheConfig.huge_pages``):
+a decode step reads blocks scattered over the pool, which on 4 KiB pages miss the TLB. On a GPU,
+``torch.zeros`` is one fast memset.
 """
 
 from __future__ import annotations
@@ -98,11 +100,11 @@ def plan_kv_layout(layer_specs: list[KVCacheSpec], cache: CacheConfig) -> KVCach
 
 
 def allocate_kv_caches(
-    layout: KVCacheLayout, device: torch.device
+    layout: KVCacheLayout, device: torch.device, huge_pages: bool = True
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """The slot buffers, and each layer's cache as a view into its slot."""
     slots = [
-        allocate_zeroed(layout.num_blocks, layout.page_size_bytes, device)
+        allocate_zeroed(layout.num_blocks, layout.page_size_bytes, device, huge_pages)
         for _ in range(layout.num_slots)
     ]
     caches: list[Any] = [None] * layout.num_layers
@@ -112,12 +114,20 @@ def allocate_kv_caches(
     return slots, caches
 
 
-def allocate_zeroed(num_rows: int, row_bytes: int, device: torch.device) -> torch.Tensor:
-    """A zeroed (num_rows, row_bytes) uint8 tensor; on the CPU backed lazily (see above)."""
+def allocate_zeroed(
+    num_rows: int, row_bytes: int, device: torch.device, huge_pages: bool = False
+) -> torch.Tensor:
+    """A zeroed (num_rows, row_bytes) uint8 tensor; on the CPU backed lazily (see above), by
+    transparent huge pages where ``huge_pages`` and the kernel allows them (else 4 KiB pages)."""
     if device.type != "cpu":
         return torch.zeros(num_rows, row_bytes, dtype=torch.uint8, device=device)
     # Private anonymous pages read as zero until written (POSIX); the tensor keeps the map alive.
     memory = mmap.mmap(-1, num_rows * row_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without THP: EINVAL; the pool works on 4 KiB pages
+            pass
     return torch.frombuffer(memory, dtype=torch.uint8).view(num_rows, row_bytes)
 
 

@@ -68,7 +68,9 @@ class ModelRunner:
         # but for decode context parallel, whose scheduler blocks span every rank's block)
         self.local_layout = plan_rank_layout(config, spec, self.model, self.kv_dtype, parallel)
         self.layout = scheduler_layout(self.local_layout, parallel)
-        self.kv_slots, self.kv_caches = allocate_kv_caches(self.local_layout, self.device)
+        self.kv_slots, self.kv_caches = allocate_kv_caches(
+            self.local_layout, self.device, config.cache.huge_pages
+        )
         self.layer_groups = tuple(
             next(g for g, group in enumerate(self.layout.groups) if i in group.layer_ids)
             for i in range(spec.num_layers)

@@ -78,10 +78,14 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     # CPU: ask the kernel for transparent huge pages (2 MiB) under the pool (``madvise``; used
     # where /sys/kernel/mm/transparent_hugepage allows it). A decode step reads its requests'
-    # blocks scattered over the pool, and with 4 KiB pages most of them miss the TLB: an 8 x 2K
-    # decode step's attention took ~17% longer so (Zen 4, benchmarks/step_profile.py). The pool
-    # then becomes resident 2 MiB at a time per layer, not 4 KiB. False: 4 KiB pages.
-    huge_pages: bool = True
+    # blocks scattered over the pool, and on 4 KiB pages most of them miss the TLB: with huge
+    # pages an 8 x 2K decode step's attention took 15.1-16.3 ms, not 18.0-19.7 (Zen 4 VM,
+    # benchmarks/step_profile.py --huge-pages). Off by default: a page's first touch costs more
+    # there (a VM backs fresh memory lazily: 256 MiB first written in 322 ms on 2 MiB pages,
+    # 68 ms on 4 KiB ones), and a fresh engine's first 2K prefills, which write fresh blocks,
+    # took 1.9 s, not 1.5. Worth it for a long-running engine whose pool has been written.
+    # The pool then becomes resident 2 MiB at a time per layer, not 4 KiB.
+    huge_pages: bool = False
     # A programmable KV policy (engine/kv_cache/policy.py): what to keep, demote, prefetch and
     # soft-pin, and where to checkpoint. A KVPolicy instance (shared by every engine built from
     # this config) or a callable making one (a class: one per engine). None: the built-in

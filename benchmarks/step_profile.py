@@ -16,6 +16,7 @@ the fused layer's stages by its opt-in C++ clock), averaged over the steps of ea
     python benchmarks/step_profile.py --decoders 1          # one stream after a 2K prompt
     python benchmarks/step_profile.py --kv-cache-dtype int8 # int8 KV (bf16 by default)
     python benchmarks/step_profile.py --block-size 64       # 64-token KV blocks (16 by default)
+    python benchmarks/step_profile.py --huge-pages          # the KV pool on transparent huge pages
     python benchmarks/step_profile.py --model qwen2.5-coder-1.5b --decoders 1 --context 128 \
         --threads 2                                       # single-stream decode, the coding model
 
@@ -203,6 +204,7 @@ def main() -> None:
     )
     parser.add_argument("--kv-cache-dtype", default="auto", help="CacheConfig.kv_cache_dtype")
     parser.add_argument("--block-size", type=int, default=16, help="CacheConfig.block_size")
+    parser.add_argument("--huge-pages", action="store_true", help="CacheConfig.huge_pages")
     parser.add_argument("--model", default=None, help="EngineConfig.model (default: embedded)")
     parser.add_argument("--context", type=int, default=CONTEXT, help="each prompt's tokens")
     parser.add_argument("--threads", type=int, default=None, help="EngineConfig.num_threads")
@@ -218,7 +220,10 @@ def main() -> None:
         **({} if args.small_step_tokens is None else {"small_step_tokens": args.small_step_tokens}),
         quantization=args.quantization,
         cache=CacheConfig(
-            kv_cache_bytes=1 << 30, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size
+            kv_cache_bytes=1 << 30,
+            kv_cache_dtype=args.kv_cache_dtype,
+            block_size=args.block_size,
+            huge_pages=args.huge_pages,
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=512),
         speculative=SpeculativeConfig(enabled=args.speculative == "on"),
@@ -247,8 +252,8 @@ def main() -> None:
         shape = step_bounds.model_shape(runner.model, runner.kv_caches)
         rates = step_bounds.measure_rates(runner.model, runner.num_threads)
     print(
-        f"{args.model or 'embedded model'}, quantization={args.quantization}, KV {kv_dtype}, "
-        f"{DECODERS} request(s) at ~{CONTEXT} tokens"
+        f"{args.model or 'embedded model'}, quantization={args.quantization}, KV {kv_dtype}"
+        f"{' on huge pages' if args.huge_pages else ''}, {DECODERS} request(s) at ~{CONTEXT} tokens"
     )
     kv_bytes = DECODERS * CONTEXT * token_bytes
     print(f"KV read per decode step: {kv_bytes / 1e6:.1f} MB ({token_bytes} B a token)")

@@ -127,14 +127,15 @@ _THP = "/sys/kernel/mm/transparent_hugepage"
 @pytest.mark.skipif(
     not os.path.exists(_THP), reason="this kernel has no transparent huge pages to ask for"
 )
-def test_cpu_kv_slots_ask_for_huge_pages_unless_told_not_to(make_engine):
+def test_cpu_kv_slots_ask_for_huge_pages_when_told_to(make_engine):
     cpu = torch.device("cpu")
     huge = allocate_zeroed(8, 1 << 20, cpu, huge_pages=True)
     plain = allocate_zeroed(8, 1 << 20, cpu, huge_pages=False)
     assert _advised_huge(huge) and not _advised_huge(plain)
     huge[7, -1] = 9  # still zeroed, still written in place
     assert int(huge.sum()) == 9 and int(plain.sum()) == 0
-    # the engine's pool: huge pages by default, 4 KiB ones with CacheConfig(huge_pages=False)
+    # the engine's pool: 4 KiB pages by default, huge ones with CacheConfig(huge_pages=True)
+    assert CacheConfig().huge_pages is False
     for flag in (True, False):
         engine = make_engine(cache=CacheConfig(num_blocks=64, huge_pages=flag))
         slots = engine.core.runner.kv_slots

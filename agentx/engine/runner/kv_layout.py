@@ -10,8 +10,8 @@ doubled until the attention page holds it (a state must fit one page), so paddin
 The slots start zeroed (a page never written reads as zeros, never as NaN garbage). On the CPU they
 are anonymous memory maps: the kernel hands out zero pages as they are first written, so a 2 GiB
 pool costs nothing at start (``torch.zeros`` would write every byte, seconds) and resident memory
-grows with the blocks in use. They ask for transparent huge pages (``CacheConfig.huge_pages``):
-a decode step reads blocks scattered over the pool, which on 4 KiB pages miss the TLB. On a GPU,
+grows with the blocks in use. They can ask for transparent huge pages (``CacheConfig.huge_pages``:
+a decode step reads blocks scattered over the pool, which on 4 KiB pages miss the TLB). On a GPU,
 ``torch.zeros`` is one fast memset.
 """
 
@@ -100,7 +100,7 @@ def plan_kv_layout(layer_specs: list[KVCacheSpec], cache: CacheConfig) -> KVCach
 
 
 def allocate_kv_caches(
-    layout: KVCacheLayout, device: torch.device, huge_pages: bool = True
+    layout: KVCacheLayout, device: torch.device, huge_pages: bool = False
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """The slot buffers, and each layer's cache as a view into its slot."""
     slots = [

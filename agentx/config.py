@@ -77,7 +77,8 @@ class CacheConfig:
     # of bf16 a decode step reads, ~1.9x the tokens a pool holds; kernels/ref/kv_int8.py).
     kv_cache_dtype: str = "auto"
     # CPU: ask the kernel for transparent huge pages (2 MiB) under the pool (``madvise``; used
-    # where /sys/kernel/mm/transparent_hugepage allows it). A decode step reads its requests'
+    # where /sys/kernel/mm/transparent_hugepage allows it; a kernel that refuses the advice gets
+    # a RuntimeWarning and the pool runs on 4 KiB pages). A decode step reads its requests'
     # blocks scattered over the pool, and on 4 KiB pages most of them miss the TLB: with huge
     # pages an 8 x 2K decode step's attention took 15.1-16.3 ms, not 18.0-19.7 (Zen 4 VM,
     # benchmarks/step_profile.py --huge-pages). Off by default: a page's first touch costs more

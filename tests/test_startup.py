@@ -4,6 +4,7 @@ pool costs nothing until written; the engine's warm-up and background preparatio
 leave no trace in the KV pool, the runner or the stats."""
 
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -134,15 +135,27 @@ def test_cpu_kv_slots_ask_for_huge_pages_when_told_to(make_engine):
     assert _advised_huge(huge) and not _advised_huge(plain)
     huge[7, -1] = 9  # still zeroed, still written in place
     assert int(huge.sum()) == 9 and int(plain.sum()) == 0
-    # the engine's pool: 4 KiB pages by default, huge ones with CacheConfig(huge_pages=True)
-    assert CacheConfig().huge_pages is False
+    # the engine's pool: huge pages with CacheConfig(huge_pages=True), 4 KiB ones without
     for flag in (True, False):
         engine = make_engine(cache=CacheConfig(num_blocks=64, huge_pages=flag))
         slots = engine.core.runner.kv_slots
         assert slots and all(_advised_huge(slot) == flag for slot in slots)
         engine.check_integrity()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_huge_pages_are_opt_in_and_a_refusal_is_said(monkeypatch):
+    assert CacheConfig().huge_pages is False
     with pytest.raises(ConfigError, match="huge_pages must be True or False"):
         CacheConfig(huge_pages="yes")
+    # a kernel that refuses the advice (EINVAL, as one built without THP does): the pool still
+    # comes back zeroed and writable, on 4 KiB pages, and the refusal is a warning, not silence
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)  # no such advice: EINVAL
+    with pytest.warns(RuntimeWarning, match="refused MADV_HUGEPAGE"):
+        slot = allocate_zeroed(4, 1 << 20, torch.device("cpu"), huge_pages=True)
+    assert not _advised_huge(slot) and int(slot.sum()) == 0
+    slot[3, -1] = 5
+    assert int(slot.sum()) == 5
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ a decode step reads blocks scattered over the pool, which on 4 KiB pages miss th
 from __future__ import annotations
 
 import mmap
+import warnings
 from typing import Any
 
 import torch
@@ -126,8 +127,13 @@ def allocate_zeroed(
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             memory.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel built without THP: EINVAL; the pool works on 4 KiB pages
-            pass
+        except OSError as error:  # a kernel built without THP: EINVAL
+            warnings.warn(
+                f"CacheConfig.huge_pages: the kernel refused MADV_HUGEPAGE ({error}); "
+                "the KV pool runs on 4 KiB pages",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return torch.frombuffer(memory, dtype=torch.uint8).view(num_rows, row_bytes)
 
 

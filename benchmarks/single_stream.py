@@ -14,6 +14,11 @@ engine's best setting; the sweep is printed with the results. Peers need their v
 
     python benchmarks/single_stream.py --engines agentx,agentx-fp32,llamacpp,vllm --sweep
 
+With ``--paired N`` the engines are then loaded all at once (each at its setting) and given N
+rounds of 2K prefills, one fresh prompt a round to each engine in turn: a shared host's drift
+(20% or more between minutes) moves each round's engines together, so each round's TTFT over
+the first engine's is a ratio measured under one host state (median, min and max printed).
+
 ``agentx`` is the default configuration (the GGUF's own quantized weights, fused layers),
 ``agentx-fp32`` is ``quantization="none"`` (every weight dequantized to fp32).
 """
@@ -83,7 +88,8 @@ def _decode_rate(times: list[float]) -> float:
 ALIASES = {"agentx-fp32": f"agentx={sys.executable} -m agentx.bench.worker --quantization none"}
 
 
-async def _probe(spec: str, settings: EngineSettings, omp_wait: str, full: bool) -> dict:
+async def _start(spec: str, settings: EngineSettings, omp_wait: str):
+    """An engine's worker, started with the wait policy; returns (adapter, its info)."""
     spec = ALIASES.get(spec, spec)
     name = spec.split("=", 1)[0]
     command = spec if "=" in spec else None
@@ -96,7 +102,11 @@ async def _probe(spec: str, settings: EngineSettings, omp_wait: str, full: bool)
             os.environ["GOMP_SPINCOUNT"] = "10000"
     else:
         adapter.command += ["--omp-wait", omp_wait]
-    info = await adapter.start()
+    return adapter, await adapter.start()
+
+
+async def _probe(spec: str, settings: EngineSettings, omp_wait: str, full: bool) -> dict:
+    adapter, info = await _start(spec, settings, omp_wait)
     try:
         await _one(adapter, "warm", _prompt("warm", 64), 8)
         short = await _one(adapter, "short", _prompt("short", PROMPT_SHORT), DECODE_TOKENS)
@@ -131,6 +141,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     default_model = args.model in (None, "", "default")
     engines = args.engines.split(",")
     grid = [Setting(t, w) for t in args.threads for w in args.omp_wait]
+    settings: dict[str, Setting] = {}
     record = {"command": " ".join(["python", *sys.argv]), "machine": _machine(),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "sweep": {}, "results": {}}  # fmt: skip
@@ -153,7 +164,52 @@ async def main_async(args: argparse.Namespace) -> dict:
         result["setting"] = best.label()
         record["results"][spec] = result
         print(f"{spec}: {result}", file=sys.stderr, flush=True)
+        settings[spec] = best
+    if args.paired:
+        record["paired"] = await _paired(engines, settings, model, default_model, args.paired)
     return record
+
+
+async def _paired(
+    engines: list[str], settings: dict, model, default_model: bool, rounds: int
+) -> dict:
+    """2K prefills with every engine loaded at once, one fresh prompt a round for each in turn.
+
+    On a shared host an engine's prefill moves by 20% or more between minutes; probes one
+    engine after another then put the host's drift into their ratio. Here each round gives
+    every engine the same prompt back to back (the order rotating round by round, so that no
+    engine always goes first), and each round's TTFTs make one ratio to the first engine's.
+    """
+    started = []
+    try:
+        for spec in engines:
+            best = settings[spec]
+            adapter, _ = await _start(spec, _settings(model, best.threads, default_model),
+                                      best.omp_wait)  # fmt: skip
+            started.append(adapter)
+            await _one(adapter, "warm", _prompt("warm", 64), 8)
+            await _one(adapter, "warm-2k", _prompt("paired-warm", PROMPT_LONG), 1)
+        ttfts: dict[str, list[float]] = {spec: [] for spec in engines}
+        for i in range(rounds):
+            prompt = _prompt(f"paired{i}", PROMPT_LONG)
+            for j in range(len(engines)):
+                k = (i + j) % len(engines)
+                times = await _one(started[k], f"paired{i}", prompt, 1)
+                ttfts[engines[k]].append(times[1] - times[0])
+            print(f"  paired round {i}: " + ", ".join(f"{ttfts[s][-1]:.3f} s" for s in engines),
+                  file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        for adapter in started:
+            await adapter.close()
+    first = ttfts[engines[0]]
+    out = {"rounds": rounds, "ttft_s": ttfts, "median_ttft_s": {}, "ratio_to": engines[0],
+           "ratio": {}}  # fmt: skip
+    for spec in engines:
+        out["median_ttft_s"][spec] = statistics.median(ttfts[spec])
+        ratios = [mine / theirs for mine, theirs in zip(ttfts[spec], first, strict=True)]
+        out["ratio"][spec] = {"median": statistics.median(ratios), "min": min(ratios),
+                              "max": max(ratios)}  # fmt: skip
+    return out
 
 
 def _machine() -> dict:
@@ -175,6 +231,17 @@ def render(record: dict) -> str:
     for spec, rates in record["sweep"].items():
         sweep = ", ".join(f"{k}: {v:.1f}" for k, v in rates.items())
         lines.append(f"\nsweep {spec} (decode tok/s, 128-token prompt): {sweep}")
+    paired = record.get("paired")
+    if paired:
+        lines += ["", f"Paired 2K prefills ({paired['rounds']} rounds, every engine loaded, "
+                  f"each round's prompt to each in turn): TTFT, and each round's TTFT over "
+                  f"{paired['ratio_to']}'s", "",
+                  "| engine | median TTFT s (tok/s) | TTFT / first engine's: median (min - max) |",
+                  "|---|---|---|"]  # fmt: skip
+        for spec, median in paired["median_ttft_s"].items():
+            r = paired["ratio"][spec]
+            lines.append(f"| {spec} | {median:.2f} ({PROMPT_LONG / median:.0f}) | "
+                         f"{r['median']:.2f} ({r['min']:.2f} - {r['max']:.2f}) |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -188,6 +255,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated OpenMP wait policies for the sweep (passive, spin, active)",
     )  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="pick each engine's best setting")
+    parser.add_argument(
+        "--paired", type=int, default=0, metavar="N",
+        help="then N rounds of 2K prefills with every engine loaded at once, alternated",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     return parser.parse_args(argv)
 

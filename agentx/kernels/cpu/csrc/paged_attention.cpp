@@ -32,6 +32,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -836,52 +837,93 @@ AGENTX_AVX512 void transpose_keys(const Segment<at::BFloat16>* segs, int64_t cou
   }
 }
 
-template <int KV>
+template <int N>
 struct Keys16 {
-  __m512 v[KV];
+  __m512 v[N];  // 16 keys' scores (or partial sums) for each of N heads
 };
 
-// KV registers of 16 keys (from key vector 0 of kt): lane chain j, or the tree over the lanes
-// J, J + STEP, ... that bf16_key_block's fold adds in the subtree of J at step STEP
-template <int D, int KV, int J, int STEP>
-AGENTX_AVX512BF16 __attribute__((always_inline)) inline Keys16<KV> fold_tree(const uint32_t* qd,
-                                                                            const uint32_t* kt) {
-  Keys16<KV> out;
-  if constexpr (STEP == 16) {  // a lane's chain
-    for (int v = 0; v < KV; ++v) out.v[v] = _mm512_setzero_ps();
-    for (int c = 0; c < D / 32; ++c) {
-      const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(qd[16 * c + J]));
-      const uint32_t* k = kt + (16 * c + J) * kKtKeys;
-      for (int v = 0; v < KV; ++v) {
-        out.v[v] = _mm512_dpbf16_ps(out.v[v], (__m512bh)_mm512_loadu_si512(k + 16 * v), q);
-      }
-    }
+// acc + VDPBF16PS(x, the bf16 pair at p + OFF dwords in every lane): the pair comes as the
+// instruction's embedded broadcast, a load alone, its address p's register and a constant.
+// Written with the intrinsics (or with p + OFF as a memory operand) GCC hoisted the pairs that
+// stay the same over a loop (a query's dwords over the keys) and kept them on the stack: a
+// 64-byte reload (or an address reload) a VDPBF16PS. The operands' order does not change a
+// product (each is exact, then the adds in the instruction's order), so the same bits.
+template <int OFF>
+AGENTX_AVX512BF16 __attribute__((always_inline)) inline __m512 dpbf16_bcast(__m512 acc,
+                                                                            __m512bh x,
+                                                                            const uint32_t* p) {
+  asm("vdpbf16ps %c[off](%[p])%{1to16%}, %[x], %[acc]"
+      : [acc] "+v"(acc)
+      : [x] "v"(x), [p] "r"(p), [off] "i"(4 * OFF),
+        "m"(*reinterpret_cast<const uint32_t(*)[OFF + 1]>(p)));  // it reads p[0 .. OFF]
+  return acc;
+}
+
+// dpbf16_bcast with the pair at p[OFF + i] (i a run-time index, N: the dwords p's array holds)
+template <int OFF, int N>
+AGENTX_AVX512BF16 __attribute__((always_inline)) inline __m512 dpbf16_bcast_at(
+    __m512 acc, __m512bh x, const uint32_t* p, int64_t i) {
+  asm("vdpbf16ps %c[off](%[p],%[i],4)%{1to16%}, %[x], %[acc]"
+      : [acc] "+v"(acc)
+      : [x] "v"(x), [p] "r"(p), [i] "r"(i), [off] "i"(4 * OFF),
+        "m"(*reinterpret_cast<const uint32_t(*)[N]>(p)));
+  return acc;
+}
+
+// lane J's chains for NH heads: step c of the chain (dwords 16 c + J) for head h is
+// I = c NH + h, so that each K load serves the NH heads in a row
+template <int D, int NH, int J, int... I>
+AGENTX_AVX512BF16 __attribute__((always_inline)) inline void leaf_chain(
+    const uint32_t* qd, const uint32_t* kt, Keys16<NH>& out, std::integer_sequence<int, I...>) {
+  __m512bh k;
+  ((I % NH == 0 ? (void)(k = (__m512bh)_mm512_loadu_si512(kt + (16 * (I / NH) + J) * kKtKeys))
+                : (void)0,
+    out.v[I % NH] = dpbf16_bcast<(I % NH) * D + 16 * (I / NH) + J>(out.v[I % NH], k, qd)),
+   ...);
+}
+
+// NH heads' registers of 16 keys (from key vector 0 of kt; head h's query dwords at qd + h D):
+// lane chain J, or the tree over the lanes J, J + STEP, ... that bf16_key_block's fold adds in
+// the subtree of J at step STEP. Each load of 16 keys' dword serves every head (one head a pass
+// loaded it NH times); each head's register takes the same operations as one head alone.
+template <int D, int NH, int J, int STEP>
+AGENTX_AVX512BF16 __attribute__((always_inline)) inline Keys16<NH> fold_tree_heads(
+    const uint32_t* qd, const uint32_t* kt) {
+  Keys16<NH> out;
+  if constexpr (STEP == 16) {  // a lane's chain, for each head
+    for (int h = 0; h < NH; ++h) out.v[h] = _mm512_setzero_ps();
+    leaf_chain<D, NH, J>(qd, kt, out, std::make_integer_sequence<int, D / 32 * NH>{});
   } else {
-    const Keys16<KV> a = fold_tree<D, KV, J, 2 * STEP>(qd, kt);
-    const Keys16<KV> b = fold_tree<D, KV, J + STEP, 2 * STEP>(qd, kt);
-    for (int v = 0; v < KV; ++v) out.v[v] = _mm512_add_ps(a.v[v], b.v[v]);
+    const Keys16<NH> a = fold_tree_heads<D, NH, J, 2 * STEP>(qd, kt);
+    const Keys16<NH> b = fold_tree_heads<D, NH, J + STEP, 2 * STEP>(qd, kt);
+    for (int h = 0; h < NH; ++h) out.v[h] = _mm512_add_ps(a.v[h], b.v[h]);
   }
   return out;
 }
 
 // bf16_scores_avx512's scores of keys [0, count) from a transposed chunk: for NH heads of one
-// row (qb: each head's D rounded dims as bf16), 32 keys at a time, then 16
+// row (qb: each head's D rounded dims as bf16), 16 keys at a time, every head on each load
+// (up to 3 heads a pass: their trees' registers fit). With the value sums' pairs as embedded
+// broadcasts too (pair_sums), a 2K prompt's last 512 rows from cache, one Zen 4 thread, six
+// alternated rounds (attention_kernel_bench.py --rows 512 --layers 1): 19.2-21.4 -> 18.1-19.3 ms
 template <int D, int NH>
 AGENTX_AVX512BF16 void bf16_scores_kt(const float* qb, const uint32_t* kt, int64_t count,
                                       float scale, float* score) {
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int h = 0; h < NH; ++h) {
-    const uint32_t* qd = reinterpret_cast<const uint32_t*>(qb + h * D);
-    float* dst = score + h * kScoreStride;
-    int64_t t = 0;
-    for (; t + 16 < count; t += 32) {
-      const Keys16<2> s = fold_tree<D, 2, 0, 1>(qd, kt + t);
-      _mm512_storeu_ps(dst + t, _mm512_mul_ps(s.v[0], sc));
-      _mm512_storeu_ps(dst + t + 16, _mm512_mul_ps(s.v[1], sc));
+  constexpr int kPass = NH < 3 ? NH : 3;
+  for (int h0 = 0; h0 < NH; h0 += kPass) {
+    constexpr int P = kPass;
+    if (h0 + P > NH) {  // NH not a multiple of 3: the last heads one at a time
+      for (int h = h0; h < NH; ++h) bf16_scores_kt<D, 1>(qb + h * D, kt, count, scale,
+                                                         score + h * kScoreStride);
+      break;
     }
-    if (t < count) {
-      const Keys16<1> s = fold_tree<D, 1, 0, 1>(qd, kt + t);
-      _mm512_storeu_ps(dst + t, _mm512_mul_ps(s.v[0], sc));
+    const uint32_t* qd = reinterpret_cast<const uint32_t*>(qb + h0 * D);
+    for (int64_t t = 0; t < count; t += 16) {
+      const Keys16<P> s = fold_tree_heads<D, P, 0, 1>(qd, kt + t);
+      for (int h = 0; h < P; ++h) {
+        _mm512_storeu_ps(score + (h0 + h) * kScoreStride + t, _mm512_mul_ps(s.v[h], sc));
+      }
     }
   }
 }
@@ -998,6 +1040,19 @@ AGENTX_AVX512BF16 void bf16_values_avx512(const float* prob, const Segment<at::B
   bf16_value_keys<D, NH>(pairs, rows, 0, count, correction, st, &pf_scope.f);
 }
 
+// One pair of keys into the sums of NH heads of two rows (bf16_values_pair): sum I is row
+// I / (4 NH), head I / 4 % NH, register I % 4; its probabilities' pair is dword i of row r's
+// head h (pairs[r][h], kPairsStride apart), an embedded broadcast (dpbf16_bcast)
+template <int NH, int... I>
+AGENTX_AVX512BF16 __attribute__((always_inline)) inline void pair_sums(
+    __m512 (&acc)[2][NH][4], const __m512bh* x, const uint32_t* pairs, int64_t i,
+    std::integer_sequence<int, I...>) {
+  ((acc[I / (4 * NH)][I / 4 % NH][I % 4] = dpbf16_bcast_at<(I / 4) * kPairsStride,
+                                                           2 * NH * kPairsStride>(
+        acc[I / (4 * NH)][I / 4 % NH][I % 4], x[I % 4], pairs, i)),
+   ...);
+}
+
 // bf16_values_avx512 for three heads of two rows of a tile at once (counts[r] keys each): the
 // pairs of keys both rows have in full share each value row's loads and unpacks (24
 // accumulators), then each row's last keys alone, continuing each sum (a correction of 1:
@@ -1040,12 +1095,7 @@ AGENTX_AVX512BF16 void bf16_values_pair(const float* const* prob,
                              (__m512bh)_mm512_unpackhi_epi16(b0, a0),
                              (__m512bh)_mm512_unpacklo_epi16(b1, a1),
                              (__m512bh)_mm512_unpackhi_epi16(b1, a1)};
-      for (int r = 0; r < 2; ++r) {
-        for (int h = 0; h < NH; ++h) {
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][h][t / 2]));
-          for (int j = 0; j < 4; ++j) acc[r][h][j] = _mm512_dpbf16_ps(acc[r][h][j], x[j], p);
-        }
-      }
+      pair_sums<NH>(acc, x, &pairs[0][0][0], t / 2, std::make_integer_sequence<int, 2 * NH * 4>{});
     }
     for (int r = 0; r < 2; ++r) {
       for (int h = 0; h < NH; ++h) {

@@ -260,7 +260,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="then N rounds of 2K prefills with every engine loaded at once, alternated",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.paired < 0:
+        parser.error(f"--paired takes a number of rounds >= 0, got {args.paired}")
+    return args
 
 
 def main() -> int:

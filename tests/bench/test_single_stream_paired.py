@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from agentx.bench.adapter import Done, EngineInfo, Tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,6 +92,8 @@ def test_paired_table_and_flag(monkeypatch):
     script = _script(monkeypatch)
     assert script.parse_args(["--paired", "6"]).paired == 6
     assert script.parse_args([]).paired == 0
+    with pytest.raises(SystemExit):  # argparse's error: a count of rounds, not a negative one
+        script.parse_args(["--paired", "-2"])
     record = {
         "command": "python benchmarks/single_stream.py --paired 4",
         "date": "2026-12-06T21:00:00+00:00",

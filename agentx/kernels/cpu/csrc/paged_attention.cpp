@@ -910,9 +910,8 @@ template <int D, int NH>
 AGENTX_AVX512BF16 void bf16_scores_kt(const float* qb, const uint32_t* kt, int64_t count,
                                       float scale, float* score) {
   const __m512 sc = _mm512_set1_ps(scale);
-  constexpr int kPass = NH < 3 ? NH : 3;
-  for (int h0 = 0; h0 < NH; h0 += kPass) {
-    constexpr int P = kPass;
+  constexpr int P = NH < 3 ? NH : 3;  // heads a pass
+  for (int h0 = 0; h0 < NH; h0 += P) {
     if (h0 + P > NH) {  // NH not a multiple of 3: the last heads one at a time
       for (int h = h0; h < NH; ++h) bf16_scores_kt<D, 1>(qb + h * D, kt, count, scale,
                                                          score + h * kScoreStride);

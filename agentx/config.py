@@ -72,9 +72,10 @@ class CacheConfig:
     # run fused over quantized weights (their attention reads bf16 in place; half the bytes a
     # decode step streams per cached token, twice the tokens a pool holds) and the model's
     # dtype otherwise; or "float32" / "bfloat16" explicitly; or "int8": symmetric int8 with a
-    # float32 scale per (token, KV head), quantized when written and dequantized inside the
-    # attention kernels (CPU only: the reference and the compiled kernels; about half the bytes
-    # of bf16 a decode step reads, ~1.9x the tokens a pool holds; kernels/ref/kv_int8.py).
+    # float32 scale per (token, KV head), quantized when written and read inside the attention
+    # kernels (CPU only: the reference dequantizes; the compiled kernels take integer dot
+    # products, the query and the probabilities as 15-bit codes: paged_attention.cpp; about half
+    # the bytes of bf16 a decode step reads, ~1.9x the tokens a pool holds; kernels/ref/kv_int8.py).
     kv_cache_dtype: str = "auto"
     # CPU: ask the kernel for transparent huge pages (2 MiB) under the pool (``madvise``; used
     # where /sys/kernel/mm/transparent_hugepage allows it; a kernel that refuses the advice gets

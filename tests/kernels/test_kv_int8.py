@@ -1,11 +1,14 @@
 """The int8 KV cache (``CacheConfig(kv_cache_dtype="int8")``, ``kernels/ref/kv_int8.py``).
 
 Kernels: exact codes and scales for known rows; the compiled writer stores the reference's
-bytes; the compiled paged attention over an int8 cache equals the reference (which reads it
-dequantized) on partial blocks, GQA ratios, windows (freed blocks poisoned), shuffled small
-and large blocks; a prefill chunk's rows equal the same rows alone, bit for bit. Config: int8
-on CUDA is refused. Engine tests (the same arithmetic, exact; and int8 against bf16 by the
-parity rule) are in ``test_kv_int8_engine.py``.
+bytes; the compiled paged attention over an int8 cache (integer dot products over int16 codes
+of the query and of each chunk's probabilities: paged_attention.cpp, "int8 caches") is close
+to the reference (which reads the cache dequantized, in float32) on partial blocks, GQA ratios,
+windows (freed blocks poisoned), shuffled small and large blocks; where the codes are exact, it
+gives the predicted bits (a dominant key returns its value row; the largest sums do not
+overflow); a prefill chunk's rows equal the same rows alone, and AVX-512 equals AVX2, bit for
+bit. Config: int8 on CUDA is refused. Engine tests (the same arithmetic, exact; and int8
+against bf16 by the parity rule) are in ``test_kv_int8_engine.py``.
 """
 
 import pytest
@@ -21,6 +24,16 @@ needs_kernels = pytest.mark.skipif(
     not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"
 )
 NAN_BYTES = torch.tensor([float("nan")]).view(torch.int8)  # a poisoned scale
+
+
+def assert_close_to_reference(got, want, cache):
+    """The compiled int8 attention against the float reference. Its 15-bit codes (the query's
+    and each chunk's weights': a code's rounding is at most 2^-16 of the largest) move a value
+    sum by a few such steps of the largest value, so the bound is 2^-13 of the cache's largest
+    dequantized value (these cases move by at most 0.9e-3 against values up to ~18: 2^-14.1;
+    integer sums and ordered float steps, so the same on every CPU)."""
+    largest = dequantize_rows(cache).nan_to_num(0.0).abs().max().item()  # poisoned rows: unread
+    torch.testing.assert_close(got, want, rtol=0, atol=largest * 2.0**-13)
 
 
 def test_quantize_exact_codes_and_scales():
@@ -93,7 +106,7 @@ def test_int8_decode_matches_reference(heads, kv_heads, head_dim, block_size, wi
                 cache[tables[i, b], ..., head_dim:] = NAN_BYTES
     got = cpu.paged_attention(q, cache, *args)
     assert not got.isnan().any()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=3e-5)
+    assert_close_to_reference(got, want, cache)
 
 
 @needs_kernels
@@ -104,8 +117,8 @@ def test_int8_mixed_prefill_and_decode_rows():
     seq_lens, loc = [40, 150, 7], [0, 1, 6, 7]  # decode, a 5-token chunk, decode
     q = torch.randn(7, 9, 64, generator=gen)
     args = (q, cache, loc, seq_lens, tables, torch.tensor([0, 2]), [1], 0.125, None)
-    torch.testing.assert_close(
-        cpu.paged_attention(*args), ref_attention.paged_attention(*args), rtol=1e-5, atol=3e-5
+    assert_close_to_reference(
+        cpu.paged_attention(*args), ref_attention.paged_attention(*args), cache
     )
 
 
@@ -123,7 +136,7 @@ def test_int8_chunk_rows_equal_rows_alone(block_size, window):
     no_decodes = torch.tensor([], dtype=torch.long)
     chunk = (q, cache, [0, 70], [700], table, no_decodes, [0], 0.125, window)
     got = cpu.paged_attention(*chunk)
-    torch.testing.assert_close(got, ref_attention.paged_attention(*chunk), rtol=1e-5, atol=3e-5)
+    assert_close_to_reference(got, ref_attention.paged_attention(*chunk), cache)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -154,9 +167,84 @@ def test_int8_avx512_equals_avx2(case):
         with cpu.use_isa(isa):
             outs.append(cpu.paged_attention(qs, cache, *rest))
     assert torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(
-        outs[1], ref_attention.paged_attention(qs, cache, *rest), rtol=1e-5, atol=3e-5
-    )
+    assert_close_to_reference(outs[1], ref_attention.paged_attention(qs, cache, *rest), cache)
+
+
+def _rows(codes: torch.Tensor, scale: float) -> torch.Tensor:
+    """int8 cache rows (..., D + 4) of the given codes and one scale"""
+    scales = torch.full((*codes.shape[:-1], 1), scale, dtype=torch.float32)
+    return torch.cat([codes.to(torch.int8), scales.view(torch.int8)], dim=-1)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,n,winners",
+    [
+        (9, 3, 64, 8, 37, (0, 5, 17, 36)),  # an odd count: a key pair with the zero row
+        (
+            12,
+            2,
+            128,
+            16,
+            700,
+            (3, 511, 512, 699),
+        ),  # groups of 6 (AVX-512: 32 dims a pass), 2 splits
+        (4, 4, 256, 256, 300, (0, 255, 256, 299)),  # one block a chunk: 256 keys
+    ],
+)
+def test_int8_dominant_key_returns_its_value_row(heads, kv_heads, head_dim, block_size, n, winners):
+    # Query heads [30, 0, ...] against keys [+-127, 0, ...] of scale 1: the winner scores
+    # +476, every other key -476, whose exps vanish beside it (and whose value rows are zero),
+    # so each head's output is the winner's value row through the weights' codes: weight
+    # 2^-5 (p = 1 times the row's scale) codes to 32767 exactly, s_w = 2^-5 / 32767, and the
+    # output is float(32767 code) * s_w over a denominator of 1. A score lane given to the wrong
+    # key, or a value lane to the wrong dim, shows as another row.
+    gen = torch.Generator().manual_seed(n)
+    num_blocks = 1 + -(-n // block_size)
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(1, -1)  # shuffled
+    q = torch.zeros(1, heads, head_dim)
+    q[..., 0] = 30.0
+    dims = torch.arange(head_dim)
+    for winner in winners:
+        key_codes = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+        key_codes[..., 0] = -127
+        value_codes = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+        block, offset = table[0, winner // block_size], winner % block_size
+        key_codes[block, offset, :, 0] = 127
+        for h in range(kv_heads):
+            value_codes[block, offset, h] = (dims * 37 + 11 * h + winner) % 255 - 127
+        cache = torch.stack([_rows(key_codes, 1.0), _rows(value_codes, 2.0**-5)], dim=1)
+        s_w = torch.tensor(2.0**-5, dtype=torch.float32) / 32767
+        want = (32767 * value_codes[block, offset]).float() * s_w  # (kv_heads, head_dim)
+        want = want.repeat_interleave(heads // kv_heads, dim=0).unsqueeze(0)
+        for isa in cpu.isas():
+            with cpu.use_isa(isa):
+                got = cpu.paged_attention(
+                    q, cache, [0, 1], [n], table, torch.tensor([0]), [], head_dim**-0.5
+                )
+            assert torch.equal(got, want), (isa, winner)
+
+
+@needs_kernels
+@pytest.mark.parametrize("sign", [1, -1])
+def test_int8_largest_sums_do_not_overflow(sign):
+    # Every code at its largest: the query's 256 dims at 32767 against keys' 127 (a score's
+    # integer sum 256 x 32767 x 127 = 1,065,320,192, just under 2^31 / 2) and two chunks of one
+    # 256-token block each whose 256 weights code to 32767 against values of 127 (the same
+    # sum), all scores equal: each chunk adds float(1,065,320,192) * s_w, the output is their
+    # sum over 512 exps of 1, exactly. Int32 overflow would turn the sign.
+    head_dim, block_size, n = 256, 256, 512
+    codes = torch.full((3, block_size, 1, head_dim), 127.0 * sign)
+    cache = torch.stack([_rows(codes, 1.0), _rows(codes, 2.0**-5)], dim=1)
+    q = torch.full((1, 1, head_dim), float(sign))
+    table = torch.tensor([[1, 2]])
+    s_w = torch.tensor(2.0**-5, dtype=torch.float32) / 32767
+    chunk = torch.tensor(256 * 32767 * 127 * sign, dtype=torch.float32) * s_w
+    want = torch.full((1, 1, head_dim), ((chunk + chunk) / 512).item())
+    for isa in cpu.isas():
+        with cpu.use_isa(isa):
+            got = cpu.paged_attention(q, cache, [0, 1], [n], table, torch.tensor([0]), [], 1 / 16)
+        assert torch.equal(got, want), isa
 
 
 @needs_kernels

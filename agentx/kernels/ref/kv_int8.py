@@ -11,6 +11,14 @@ even, within [-127, 127]; an all-zero row has scale 0 and codes 0), and read bac
 code * scale. A row's codes depend on that row alone, so the same token stores the same bytes
 however its step was batched. The compiled writer (``cpu/csrc/kv_int8.cpp``) rounds the same
 float32 operations and stores the same bytes.
+
+The reference attention reads the cache dequantized, in float32. The compiled one
+(``cpu/csrc/paged_attention.cpp``, "int8 caches") keeps the codes: a score is an exact integer
+dot product of the key's codes with the query's own int16 codes (one scale a head), and a
+chunk's probabilities, each times its value row's scale, enter the value sums as int16 codes
+too (one scale a chunk), so its outputs are close to the reference's (within 2^-13 of the
+largest value: ``tests/kernels/test_kv_int8.py``), not equal; every compiled path (AVX2 or
+AVX-512, decoded or prefilled, alone or batched) gives the same bits.
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@
 //
 // KV cache of one layer: (num_blocks, 2, block_size, num_kv_heads, head_dim), float32 or
 // bfloat16; or int8 with each (token, KV head) row 4 bytes longer, its float32 scale after its
-// head_dim codes (kernels/ref/kv_int8.py). An int8 row is read as codes (exact floats): a score
-// is dot(q, codes) * (row scale * scale) and a value row enters as (prob * row scale) * codes,
-// so dequantizing costs one multiply per key, not per element (fp32 and int8 caches share the
-// score loops; bf16 reads its rows in paired order, below). Each query row is one token of one
-// request and sees that request's first `len` keys (itself included: a decode row is the last,
-// a prefill chunk's rows see one more key each); with a sliding window W only keys
-// len - W .. len - 1 (blocks before that may already be freed and are never read). Query head
-// h reads KV head h / (num_heads / num_kv_heads).
+// head_dim codes (kernels/ref/kv_int8.py). An int8 row is read as codes in integer dot
+// products (the query and each chunk's probabilities as int16 codes: "int8 caches", below), so
+// dequantizing costs a multiply per key, not per element; bf16 reads its rows in paired order
+// (below). Each query row is one token of one request and sees that request's first `len` keys
+// (itself included: a decode row is the last, a prefill chunk's rows see one more key each);
+// with a sliding window W only keys len - W .. len - 1 (blocks before that may already be freed
+// and are never read). Query head h reads KV head h / (num_heads / num_kv_heads).
 //
 // Every row is computed by the same sequence of float operations whatever the other rows of
 // the call: its keys are cut into splits of kSplitTokens from its first key, each split runs
@@ -43,10 +42,6 @@ namespace agentx {
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int8_t* p) {
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-}
 
 inline __m256i load_pairs8(const at::BFloat16* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -257,18 +252,14 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
         acc[h][3] = _mm256_fmadd_ps(qv, k3, acc[h][3]);
       }
     }
-    __m128 key_scale = scale4;
-    if constexpr (kInt8<T>) {
-      key_scale = _mm_mul_ps(_mm_setr_ps(row_scale<D>(k), row_scale<D>(k + ts),
-                                         row_scale<D>(k + 2 * ts), row_scale<D>(k + 3 * ts)),
-                             scale4);
+    for (int h = 0; h < NH; ++h) {
+      _mm_storeu_ps(score + h * kScoreStride + t, _mm_mul_ps(hsum4(acc[h]), scale4));
     }
-    for (int h = 0; h < NH; ++h) _mm_storeu_ps(score + h * kScoreStride + t, _mm_mul_ps(hsum4(acc[h]), key_scale));
   }
   for (; t < count; ++t) {
-    float key_scale = scale;
-    if constexpr (kInt8<T>) key_scale = row_scale<D>(kb + t * ts) * scale;
-    for (int h = 0; h < NH; ++h) score[h * kScoreStride + t] = dot1<T, D>(q + h * D, kb + t * ts) * key_scale;
+    for (int h = 0; h < NH; ++h) {
+      score[h * kScoreStride + t] = dot1<T, D>(q + h * D, kb + t * ts) * scale;
+    }
   }
 }
 
@@ -278,8 +269,8 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
 //
 // Three heads' 12 accumulators, a bf16 slice's 4 registers and a broadcast need 17 of AVX2's 16
 // registers (one accumulator would then live in memory, its chain waiting on a store each key),
-// so three heads take a bf16 slice in two parts of R = 2 registers, the keys once for each
-// (int8's conversions are dearer than that: measured slower so). One bf16 row's three heads
+// so three heads take a bf16 slice in two parts of R = 2 registers, the keys once for each.
+// One bf16 row's three heads
 // take row_values_bf16x3 instead (below), a tile's pairs of rows pair_values.
 template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
@@ -306,12 +297,8 @@ inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts
         } else {
           load_values8_half(vb + t * ts + s, part, vv);
         }
-        float value_scale = 1.f;
-        if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
         for (int h = 0; h < NH; ++h) {
-          float pt = prob[h * kScoreStride + t];
-          if constexpr (kInt8<T>) pt *= value_scale;
-          const __m256 p = _mm256_set1_ps(pt);
+          const __m256 p = _mm256_set1_ps(prob[h * kScoreStride + t]);
           for (int i = 0; i < R; ++i) acc[h][i] = _mm256_fmadd_ps(p, vv[i], acc[h][i]);
         }
       }
@@ -373,16 +360,7 @@ inline void row_values_bf16x3(const float* prob, const at::BFloat16* vb, int64_t
 AGENTX_AVX512 inline __m512 load2x8(const float* a, const float* b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
-AGENTX_AVX512 inline __m512 load2x8(const int8_t* a, const int8_t* b) {
-  const __m128i raw = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
-                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
-}
 AGENTX_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-AGENTX_AVX512 inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 
 AGENTX_AVX512 inline __m512 even16(__m512i x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
@@ -424,16 +402,6 @@ AGENTX_AVX512 void row_scores_avx512(const float* q, const T* kb, int64_t count,
         for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(qv, kv[j], acc[h][j]);
       }
     }
-    // int8: each key's row scale times the scale, as row_scores takes them
-    __m128 key_lo = scale4, key_hi = scale4;
-    if constexpr (kInt8<T>) {
-      key_lo = _mm_mul_ps(_mm_setr_ps(row_scale<D>(k), row_scale<D>(k + ts),
-                                      row_scale<D>(k + 2 * ts), row_scale<D>(k + 3 * ts)),
-                          scale4);
-      key_hi = _mm_mul_ps(_mm_setr_ps(row_scale<D>(k + 4 * ts), row_scale<D>(k + 5 * ts),
-                                      row_scale<D>(k + 6 * ts), row_scale<D>(k + 7 * ts)),
-                          scale4);
-    }
     for (int h = 0; h < NH; ++h) {
       __m256 lo[4], hi[4];
       for (int j = 0; j < 4; ++j) {
@@ -441,8 +409,8 @@ AGENTX_AVX512 void row_scores_avx512(const float* q, const T* kb, int64_t count,
         hi[j] = _mm512_extractf32x8_ps(acc[h][j], 1);
       }
       float* sc = score + h * kScoreStride + t;
-      _mm_storeu_ps(sc, _mm_mul_ps(hsum4(lo), key_lo));
-      _mm_storeu_ps(sc + 4, _mm_mul_ps(hsum4(hi), key_hi));
+      _mm_storeu_ps(sc, _mm_mul_ps(hsum4(lo), scale4));
+      _mm_storeu_ps(sc + 4, _mm_mul_ps(hsum4(hi), scale4));
     }
   }
   // the last < 8 keys: the AVX2 code, whose arithmetic per key is the same
@@ -475,12 +443,8 @@ AGENTX_AVX512 void row_values_avx512(const float* prob, const Segment<T>* segs, 
         pf->step();
         __m512 vv[4];
         load_values16(vb + t * ts + s, vv);
-        float value_scale = 1.f;
-        if constexpr (kInt8<T>) value_scale = row_scale<D>(vb + t * ts);
         for (int h = 0; h < NH; ++h) {
-          float pt = pb[h * kScoreStride + t];
-          if constexpr (kInt8<T>) pt *= value_scale;
-          const __m512 p = _mm512_set1_ps(pt);
+          const __m512 p = _mm512_set1_ps(pb[h * kScoreStride + t]);
           for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_fmadd_ps(p, vv[j], acc[h][j]);
         }
       }
@@ -1123,6 +1087,330 @@ inline void add_zero_partner(State* const* st) {
   }
 }
 
+// int8 caches: integer dot products. A query head enters as int16 codes and one float scale
+// (quantize_queries), so a score is an exact int32 sum of code products times two scales; a
+// chunk's probabilities, each times its value row's scale, enter the value sums as int16 codes
+// with one scale per (row, head, chunk), so those sums are exact int32 too. Only the float
+// steps around the integer sums are ordered, and every loop (AVX2 and AVX-512, a row alone or
+// in a tile, decoded or prefilled) takes the same ones:
+//   query:   s_q = max|x| / 32767, codes round(x * (32767 / max|x|)) (half to even, within
+//            +-32767; max|x| = 0: codes 0)
+//   score:   (float(sum_i q_i k_i) * s_q) * (s_k * scale)
+//   values:  w_t = p_t * s_v(t), s_w = max_t w_t / 32767, c_t = round(w_t * (32767 / max_t w_t));
+//            acc = acc * correction + float(sum_t c_t v_t) * s_w
+// The 15-bit codes' rounding (2^-16 of their largest) is ~1/256 of the cache's own 8-bit step.
+// Every sum fits int32: 32767 x 127 x 256 (the largest head, and the largest chunk) < 2^31.
+constexpr float kCodeMax = 32767.f;
+constexpr int64_t kMaxChunkKeys = kMaxBlock;  // a chunk: kChunkTokens keys, or one block
+
+#define AGENTX_AVX512VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+// x rounded to the nearest integer (half to even), within [lo, hi], as int32
+inline __m256i code8(__m256 x, float lo, float hi) {
+  x = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+  return _mm256_cvtps_epi32(x);
+}
+
+// 16 int32 (two registers of 8, in order) as 16 int16 at dst
+inline void store_codes16(__m256i a, __m256i b, int16_t* dst) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+}
+
+// A query head of d floats (a multiple of 16) as int16 codes at out (d / 2 floats' room) and
+// its scale at out[d / 2]: the head's slot of d floats, out may be x.
+void quantize_query(const float* x, int64_t d, float* out) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
+  }
+  const float amax = hmax(vmax), s = amax / kCodeMax;
+  alignas(32) int16_t codes[256];
+  for (int64_t i = 0; i < d; i += 16) {
+    if (amax > 0.f) {
+      const __m256 inv = _mm256_set1_ps(kCodeMax / amax);
+      store_codes16(code8(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), -kCodeMax, kCodeMax),
+                    code8(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv), -kCodeMax, kCodeMax),
+                    codes + i);
+    } else {
+      std::memset(codes + i, 0, 16 * sizeof(int16_t));
+    }
+  }
+  std::memcpy(out, codes, d * sizeof(int16_t));
+  std::memcpy(out + d / 2, &s, sizeof(s));
+}
+
+template <int D>
+inline const int16_t* query_codes(const float* q, int h) {
+  return reinterpret_cast<const int16_t*>(q + h * D);
+}
+template <int D>
+inline float query_scale(const float* q, int h) {
+  return q[h * D + D / 2];
+}
+
+// one key's score for one head (the tail loops): the integer sum, then the float steps
+template <int D>
+inline float int8_score_one(const float* q, int h, const int8_t* k, float scale) {
+  const int16_t* c = query_codes<D>(q, h);
+  int32_t dot = 0;
+  for (int i = 0; i < D; ++i) dot += static_cast<int32_t>(c[i]) * k[i];
+  return (static_cast<float>(dot) * query_scale<D>(q, h)) * (row_scale<D>(k) * scale);
+}
+
+// Scores of keys [0, count) (kb, ts apart) for NH heads of one row, AVX2: four keys at a time,
+// 16 dims a multiply-add (vpmaddwd), the keys' lanes summed by hadd.
+template <int D, int NH>
+inline void int8_scores(const float* q, const int8_t* kb, int64_t count, int64_t ts, float scale,
+                        float* score) {
+  int64_t t = 0;
+  for (; t + 4 <= count; t += 4) {
+    const int8_t* k = kb + t * ts;
+    const __m128 ks = _mm_mul_ps(_mm_setr_ps(row_scale<D>(k), row_scale<D>(k + ts),
+                                             row_scale<D>(k + 2 * ts), row_scale<D>(k + 3 * ts)),
+                                 _mm_set1_ps(scale));
+    for (int h = 0; h < NH; ++h) {
+      const int16_t* c = query_codes<D>(q, h);
+      __m256i acc[4];
+      for (int j = 0; j < 4; ++j) {
+        acc[j] = _mm256_setzero_si256();
+        for (int i = 0; i < D; i += 16) {
+          const __m256i kv = _mm256_cvtepi8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(k + j * ts + i)));
+          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i));
+          acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(kv, qv));
+        }
+      }
+      const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]),
+                                          _mm256_hadd_epi32(acc[2], acc[3]));
+      const __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      const __m128 f = _mm_mul_ps(_mm_cvtepi32_ps(dots), _mm_set1_ps(query_scale<D>(q, h)));
+      _mm_storeu_ps(score + h * kScoreStride + t, _mm_mul_ps(f, ks));
+    }
+  }
+  for (; t < count; ++t) {
+    for (int h = 0; h < NH; ++h) {
+      score[h * kScoreStride + t] = int8_score_one<D>(q, h, kb + t * ts, scale);
+    }
+  }
+}
+
+// AVX-512: eight keys at a time, 32 dims a vpdpwssd; each head's eight registers of 16 lanes
+// fold pairwise into one as they come (two keys' lanes into one register, then four keys',
+// then eight keys' two lanes each).
+template <int D, int NH>
+AGENTX_AVX512VNNI void int8_scores_avx512(const float* q, const int8_t* kb, int64_t count,
+                                          int64_t ts, float scale, float* score) {
+  const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  int64_t t = 0;
+  for (; t + 8 <= count; t += 8) {
+    const int8_t* k = kb + t * ts;
+    __m512i four[NH][2], two[NH];
+    for (int i = 0; i < 4; ++i) {  // keys 2i and 2i + 1
+      __m512i ka[D / 32], kb2[D / 32];
+      for (int c = 0; c < D / 32; ++c) {
+        ka[c] = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 2 * i * ts + 32 * c)));
+        kb2[c] = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + (2 * i + 1) * ts + 32 * c)));
+      }
+      for (int h = 0; h < NH; ++h) {
+        const int16_t* qc = query_codes<D>(q, h);
+        __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+        for (int c = 0; c < D / 32; ++c) {
+          const __m512i qv = _mm512_loadu_si512(qc + 32 * c);
+          a = _mm512_dpwssd_epi32(a, ka[c], qv);
+          b = _mm512_dpwssd_epi32(b, kb2[c], qv);
+        }
+        // [key 2i's 8 lanes | key 2i + 1's 8]
+        const __m512i p = _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44),
+                                           _mm512_shuffle_i32x4(a, b, 0xEE));
+        if (i % 2 == 0) {
+          two[h] = p;
+        } else {  // four keys' 4 lanes each, a 128-bit quarter a key
+          four[h][i / 2] = _mm512_add_epi32(_mm512_shuffle_i32x4(two[h], p, 0x88),
+                                            _mm512_shuffle_i32x4(two[h], p, 0xDD));
+        }
+      }
+    }
+    __m256 ks = _mm256_setr_ps(row_scale<D>(k), row_scale<D>(k + ts), row_scale<D>(k + 2 * ts),
+                               row_scale<D>(k + 3 * ts), row_scale<D>(k + 4 * ts),
+                               row_scale<D>(k + 5 * ts), row_scale<D>(k + 6 * ts),
+                               row_scale<D>(k + 7 * ts));
+    ks = _mm256_mul_ps(ks, _mm256_set1_ps(scale));
+    for (int h = 0; h < NH; ++h) {
+      // quarter j: lanes 0 and 2 hold keys j and j + 4 (lanes 1 and 3 the same sums again)
+      __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(four[h][0], four[h][1]),
+                                   _mm512_unpackhi_epi64(four[h][0], four[h][1]));
+      r = _mm512_add_epi32(r, _mm512_shuffle_epi32(r, _MM_PERM_CDAB));
+      const __m256i dots = _mm512_castsi512_si256(_mm512_permutexvar_epi32(first, r));
+      const __m256 f =
+          _mm256_mul_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(query_scale<D>(q, h)));
+      _mm256_storeu_ps(score + h * kScoreStride + t, _mm256_mul_ps(f, ks));
+    }
+  }
+  if (t < count) int8_scores<D, NH>(q, kb + t * ts, count - t, ts, scale, score + t);
+}
+
+// A chunk's value rows (its segments in order, then a zero row where the count is odd) and,
+// per head, its weights' codes (in pairs: codes[h][2j], codes[h][2j + 1] as one int32) and
+// scale, as the value loops below take them.
+alignas(64) constexpr int8_t kZeroRow[256] = {};
+
+template <int D, int NH>
+inline int64_t int8_weights(const float* prob, const Segment<int8_t>* segs, int64_t count,
+                            int64_t ts, const int8_t** rows, int16_t (*codes)[kMaxChunkKeys + 16],
+                            float* sw) {
+  alignas(32) float sv[kMaxChunkKeys + 8];
+  for (int64_t off = 0, g = 0; off < count; ++g) {
+    const int64_t n = std::min(segs[g].count, count - off);
+    for (int64_t t = 0; t < n; ++t) {
+      rows[off + t] = segs[g].v + t * ts;
+      sv[off + t] = row_scale<D>(rows[off + t]);
+    }
+    off += n;
+  }
+  const int64_t padded = (count + 15) / 16 * 16;
+  for (int64_t t = count; t < padded; ++t) sv[t] = 0.f;
+  rows[count] = kZeroRow;
+  alignas(32) float w[kMaxChunkKeys + 16];
+  for (int h = 0; h < NH; ++h) {
+    const float* p = prob + h * kScoreStride;
+    __m256 vmax = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 8) {
+      // past count: weight 0 whatever the score row holds there
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_load_ps(sv + t));
+      const __m256 keep = t + 8 <= count ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+                                         : tail_mask(count - t);
+      const __m256 wt = _mm256_and_ps(x, t >= count ? _mm256_setzero_ps() : keep);
+      _mm256_store_ps(w + t, wt);
+      vmax = _mm256_max_ps(vmax, wt);
+    }
+    const float wmax = hmax(vmax);
+    sw[h] = wmax / kCodeMax;
+    for (int64_t t = 0; t < padded; t += 16) {
+      if (wmax > 0.f) {
+        const __m256 inv = _mm256_set1_ps(kCodeMax / wmax);
+        store_codes16(code8(_mm256_mul_ps(_mm256_load_ps(w + t), inv), 0.f, kCodeMax),
+                      code8(_mm256_mul_ps(_mm256_load_ps(w + t + 8), inv), 0.f, kCodeMax),
+                      codes[h] + t);
+      } else {
+        std::memset(codes[h] + t, 0, 16 * sizeof(int16_t));
+      }
+    }
+  }
+  return (count + 1) / 2;
+}
+
+// acc = acc * correction + float(sums) * s_w for 8 dims (the sums in dim order): a product
+// each, then the add (the empty asm keeps them from fusing into an FMA)
+inline void add_value_sums8(float* acc, __m256i sums, float correction, float sw) {
+  __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc), _mm256_set1_ps(correction));
+  __m256 b = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(sw));
+  asm("" : "+x"(a), "+x"(b));
+  _mm256_storeu_ps(acc, _mm256_add_ps(a, b));
+}
+
+// The value sums of NH heads of one row over a chunk's first `count` keys, AVX2: the keys in
+// pairs (vpmaddwd: two keys' codes times their weights' codes, a dword a dim), 16 dims a pass.
+template <int D, int NH>
+inline void int8_values(const float* prob, const Segment<int8_t>* segs, int64_t count,
+                        int64_t ts, const float* correction, State* const* st,
+                        Prefetcher* pf_home) {
+  PrefetchScope pf_scope(pf_home);
+  Prefetcher* pf = &pf_scope.f;
+  const int8_t* rows[kMaxChunkKeys + 1];
+  alignas(32) int16_t codes[NH][kMaxChunkKeys + 16];
+  float sw[NH];
+  const int64_t pairs = int8_weights<D, NH>(prob, segs, count, ts, rows, codes, sw);
+  for (int s = 0; s < D; s += 16) {
+    __m256i lo[NH], hi[NH];  // dims s + [0, 4) and [8, 12); s + [4, 8) and [12, 16)
+    for (int h = 0; h < NH; ++h) lo[h] = hi[h] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < pairs; ++j) {
+      if (s % 32 == 0) pf->step();  // once a key pair and 32 dims, as attend_tile counts
+      const __m256i a = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * j] + s)));
+      const __m256i b = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * j + 1] + s)));
+      const __m256i x0 = _mm256_unpacklo_epi16(a, b), x1 = _mm256_unpackhi_epi16(a, b);
+      for (int h = 0; h < NH; ++h) {
+        int32_t pair;
+        std::memcpy(&pair, codes[h] + 2 * j, sizeof(pair));
+        const __m256i w = _mm256_set1_epi32(pair);
+        lo[h] = _mm256_add_epi32(lo[h], _mm256_madd_epi16(x0, w));
+        hi[h] = _mm256_add_epi32(hi[h], _mm256_madd_epi16(x1, w));
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      add_value_sums8(st[h]->acc + s, _mm256_permute2x128_si256(lo[h], hi[h], 0x20),
+                      correction[h], sw[h]);
+      add_value_sums8(st[h]->acc + s + 8, _mm256_permute2x128_si256(lo[h], hi[h], 0x31),
+                      correction[h], sw[h]);
+    }
+  }
+}
+
+// int8_values for AVX-512 (VNNI): 64 dims a pass (32 with more than 3 heads: the registers),
+// one vpdpwssd a 16 dims, key pair and head; the same sums, so the same bits.
+template <int D, int NH>
+AGENTX_AVX512VNNI void int8_values_avx512(const float* prob, const Segment<int8_t>* segs,
+                                          int64_t count, int64_t ts, const float* correction,
+                                          State* const* st, Prefetcher* pf_home) {
+  PrefetchScope pf_scope(pf_home);
+  Prefetcher* pf = &pf_scope.f;
+  constexpr int P = NH > 3 ? 32 : 64;  // dims a pass
+  constexpr int R = P / 16;  // registers a head
+  const int8_t* rows[kMaxChunkKeys + 1];
+  alignas(64) int16_t codes[NH][kMaxChunkKeys + 16];
+  float sw[NH];
+  const int64_t pairs = int8_weights<D, NH>(prob, segs, count, ts, rows, codes, sw);
+  // lane 4L + i of an unpacked pair holds dim 8L + i (lo) or 8L + 4 + i (hi) of its 32
+  const __m512i dims_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i dims_hi =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int s = 0; s < D; s += P) {
+    __m512i acc[NH][R];
+    for (int h = 0; h < NH; ++h) {
+      for (int i = 0; i < R; ++i) acc[h][i] = _mm512_setzero_si512();
+    }
+    for (int64_t j = 0; j < pairs; ++j) {
+      if (s % 64 == 0) pf->step();  // once a key pair and 64 dims, as attend_tile counts
+      __m512i x[R];
+      for (int c = 0; c < R / 2; ++c) {
+        const __m512i a = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * j] + s + 32 * c)));
+        const __m512i b = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[2 * j + 1] + s + 32 * c)));
+        x[2 * c] = _mm512_unpacklo_epi16(a, b);
+        x[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int h = 0; h < NH; ++h) {
+        int32_t pair;
+        std::memcpy(&pair, codes[h] + 2 * j, sizeof(pair));
+        const __m512i w = _mm512_set1_epi32(pair);
+        for (int i = 0; i < R; ++i) acc[h][i] = _mm512_dpwssd_epi32(acc[h][i], x[i], w);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int c = 0; c < R / 2; ++c) {
+        const __m512i ordered[2] = {
+            _mm512_permutex2var_epi32(acc[h][2 * c], dims_lo, acc[h][2 * c + 1]),
+            _mm512_permutex2var_epi32(acc[h][2 * c], dims_hi, acc[h][2 * c + 1])};
+        for (int u = 0; u < 2; ++u) {
+          float* dst = st[h]->acc + s + 32 * c + 16 * u;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(dst), _mm512_set1_ps(correction[h]));
+          __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[u]), _mm512_set1_ps(sw[h]));
+          asm("" : "+v"(a), "+v"(b));
+          _mm512_storeu_ps(dst, _mm512_add_ps(a, b));
+        }
+      }
+    }
+  }
+}
+
 // The online softmax step of NH heads over a chunk's `count` scores each (head h's at
 // sc + h kScoreStride, replaced by their exps): each head's max and denominator move on and
 // correction[h] is the factor its earlier value sums take. Per head the steps below, the heads
@@ -1188,6 +1476,10 @@ inline void chunk_softmax(const float* q, const Segment<T>* segs, int64_t count,
       } else {
         bf16_scores<D, NH>(q, segs[s].k, n, ts, scale, score + off, pf);
       }
+    } else if constexpr (kInt8<T> && Wide) {
+      int8_scores_avx512<D, NH>(q, segs[s].k, n, ts, scale, score + off);
+    } else if constexpr (kInt8<T>) {
+      int8_scores<D, NH>(q, segs[s].k, n, ts, scale, score + off);
     } else if constexpr (Wide) {
       row_scores_avx512<T, D, NH>(q, segs[s].k, n, ts, scale, score + off);
     } else {
@@ -1217,6 +1509,10 @@ inline void fold_chunk(const float* q, const Segment<T>* segs, int64_t count, in
   chunk_softmax<T, D, NH, Wide>(q, segs, count, ts, scale, score, st, correction, pf, kt);
   if constexpr (Wide && std::is_same_v<T, at::BFloat16>) {
     bf16_values_avx512<D, NH>(score, segs, count, ts, correction, st, pf);
+  } else if constexpr (kInt8<T> && Wide) {
+    int8_values_avx512<D, NH>(score, segs, count, ts, correction, st, pf);
+  } else if constexpr (kInt8<T>) {
+    int8_values<D, NH>(score, segs, count, ts, correction, st, pf);
   } else if constexpr (Wide) {
     row_values_avx512<T, D, NH>(score, segs, count, ts, correction, st, pf);
   } else {
@@ -1535,6 +1831,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
       const bool score_calls = std::is_same_v<T, at::BFloat16> &&
                                (!Wide || !(tile_rows > 1 && chunk <= kKtKeys));
       calls *= num_kv_heads * passes * ((Wide ? D / 64 : D / 32) + (score_calls ? 1 : 0));
+      if constexpr (kInt8<T>) calls = (calls + 1) / 2;  // int8's value loops: a call a key pair
       pf.want = calls > 0 ? (lines + calls - 1) / calls : lines;
     }
     int64_t nsegs = 0;
@@ -1634,7 +1931,8 @@ constexpr int64_t kSplitTokens = 512;
 // Zen 4 thread, 32 rows 3-5% faster too; 32 a tile is faster still on one thread but leaves a
 // short chunk too few items for two (32 rows at 700 keys: 2 items, 263 -> 355 us).
 constexpr int64_t kTileRows = 16;
-// Rows of queries a thread rounds to bf16 at least (a decode step's rows: one thread).
+// Rows of queries a thread rounds to bf16 (or codes, int8) at least (a decode step's rows: one
+// thread).
 constexpr int64_t kRoundRows = 32;
 
 template <typename T>
@@ -1715,6 +2013,14 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
       round_to_bf16(q + begin * row, (end - begin) * row, rounded + begin * row);
     });
     q = rounded;
+  } else if constexpr (kInt8<T>) {  // scores take each query head as int16 codes
+    float* coded = scratch.take<float>(rows * heads * head_dim);
+    parallel_for(0, rows, kRoundRows, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * heads; i < end * heads; ++i) {
+        quantize_query(q + i * head_dim, head_dim, coded + i * head_dim);
+      }
+    });
+    q = coded;
   }
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());

@@ -270,8 +270,8 @@ inline void row_scores(const float* q, const T* kb, int64_t count, int64_t ts, f
 // Three heads' 12 accumulators, a bf16 slice's 4 registers and a broadcast need 17 of AVX2's 16
 // registers (one accumulator would then live in memory, its chain waiting on a store each key),
 // so three heads take a bf16 slice in two parts of R = 2 registers, the keys once for each.
-// One bf16 row's three heads
-// take row_values_bf16x3 instead (below), a tile's pairs of rows pair_values.
+// One bf16 row's three heads take row_values_bf16x3 instead (below), a tile's pairs of rows
+// pair_values.
 template <typename T, int D, int NH>
 inline void row_values(const float* prob, const T* vb, int64_t count, int64_t ts,
                        const float* correction, State* const* st, Prefetcher* pf_home) {

@@ -34,6 +34,7 @@ class AgentxOptions:
     # (with "none" it ran SmolLM2 in fp32 through torch's GEMMs, 2.6x slower on a trace)
     quantization: str = "auto"
     kv_cache_bytes: int = 2 << 30
+    kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype ("int8": the codes in place)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     decode_step_target_ms: float | None = None  # None: SchedulerConfig's default
@@ -60,7 +61,9 @@ class AgentxOptions:
                 if self.small_step_tokens is None
                 else {"small_step_tokens": self.small_step_tokens}
             ),
-            cache=CacheConfig(kv_cache_bytes=self.kv_cache_bytes),
+            cache=CacheConfig(
+                kv_cache_bytes=self.kv_cache_bytes, kv_cache_dtype=self.kv_cache_dtype
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -80,6 +83,7 @@ class AgentxOptions:
             "dtype": self.dtype,
             "quantization": self.quantization,
             "kv_cache_bytes": self.kv_cache_bytes,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "offload": str(self.offload) if self.offload else None,

@@ -1,7 +1,8 @@
 """The agentx side of the worker protocol (:mod:`agentx.bench.protocol`)::
 
     python -m agentx.bench.worker --model PATH --threads N [--dtype D] [--quantization Q]
-        [--kv-cache-gib G] [--backend agentx|vllm] [--tp N --dcp N --pcp N --ep N --dp N]
+        [--kv-cache-gib G] [--kv-cache-dtype auto|float32|bfloat16|int8]
+        [--backend agentx|vllm] [--tp N --dcp N --pcp N --ep N --dp N]
 
 ``--tp/--dcp/--pcp/--ep/--dp`` are agentx's ``ParallelConfig`` degrees (``dp > 1``: a
 ``ReplicaRouter`` of ``dp`` engines), so ``bench saturate`` and sweeps can vary the strategy.
@@ -50,6 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quantization", default="auto", choices=("none", "auto", "int8", "int4"))
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "int8"),
+        help="CacheConfig.kv_cache_dtype (the agentx backend)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument(
@@ -177,6 +184,7 @@ def agentx_options(args: argparse.Namespace) -> AgentxOptions:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_step_target_ms=args.decode_step_target_ms,

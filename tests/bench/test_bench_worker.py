@@ -104,6 +104,18 @@ def test_in_process_and_worker_engines_default_to_the_library_config():
         assert config.quantization == "auto"
 
 
+def test_kv_cache_dtype_flag_reaches_the_engine_config():
+    from agentx.bench.worker import agentx_options, parse_args
+
+    default = agentx_options(parse_args([]))
+    assert default.engine_config().cache.kv_cache_dtype == "auto"
+    options = agentx_options(parse_args(["--kv-cache-dtype", "int8"]))
+    assert options.engine_config().cache.kv_cache_dtype == "int8"
+    assert options.describe()["kv_cache_dtype"] == "int8"
+    with pytest.raises(SystemExit):  # argparse's error: not a cache element type
+        parse_args(["--kv-cache-dtype", "int4"])
+
+
 def test_parallel_flags_reach_the_engine_config():
     from agentx import ParallelConfig
     from agentx.bench.worker import agentx_options, parse_args

@@ -1088,7 +1088,7 @@ inline void add_zero_partner(State* const* st) {
 }
 
 // int8 caches: integer dot products. A query head enters as int16 codes and one float scale
-// (quantize_queries), so a score is an exact int32 sum of code products times two scales; a
+// (quantize_query), so a score is an exact int32 sum of code products times two scales; a
 // chunk's probabilities, each times its value row's scale, enter the value sums as int16 codes
 // with one scale per (row, head, chunk), so those sums are exact int32 too. Only the float
 // steps around the integer sums are ordered, and every loop (AVX2 and AVX-512, a row alone or

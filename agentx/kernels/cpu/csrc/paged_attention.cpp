@@ -160,7 +160,7 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// all-ones in the first n lanes (0 < n < 8)
+// all-ones in the first n lanes (none for n <= 0, all for n >= 8)
 inline __m256 tail_mask(int64_t n) {
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
@@ -1113,33 +1113,33 @@ inline __m256i code8(__m256 x, float lo, float hi) {
   return _mm256_cvtps_epi32(x);
 }
 
-// 16 int32 (two registers of 8, in order) as 16 int16 at dst
-inline void store_codes16(__m256i a, __m256i b, int16_t* dst) {
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+// n floats x (a multiple of 16) whose largest magnitude is amax as int16 codes at out:
+// round(x * (32767 / amax)) within [lo, 32767]; all 0 where amax is 0. Returns their scale,
+// amax / 32767.
+float to_codes16(const float* x, int64_t n, float amax, float lo, int16_t* out) {
+  if (!(amax > 0.f)) {
+    std::memset(out, 0, n * sizeof(int16_t));
+    return amax / kCodeMax;
+  }
+  const __m256 inv = _mm256_set1_ps(kCodeMax / amax);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256i a = code8(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), lo, kCodeMax);
+    const __m256i b = code8(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv), lo, kCodeMax);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+  }
+  return amax / kCodeMax;
 }
 
 // A query head of d floats (a multiple of 16) as int16 codes at out (d / 2 floats' room) and
-// its scale at out[d / 2]: the head's slot of d floats, out may be x.
+// its scale at out[d / 2]: the head's slot of d floats (out is not x).
 void quantize_query(const float* x, int64_t d, float* out) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 vmax = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
     vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude));
   }
-  const float amax = hmax(vmax), s = amax / kCodeMax;
-  alignas(32) int16_t codes[256];
-  for (int64_t i = 0; i < d; i += 16) {
-    if (amax > 0.f) {
-      const __m256 inv = _mm256_set1_ps(kCodeMax / amax);
-      store_codes16(code8(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), -kCodeMax, kCodeMax),
-                    code8(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), inv), -kCodeMax, kCodeMax),
-                    codes + i);
-    } else {
-      std::memset(codes + i, 0, 16 * sizeof(int16_t));
-    }
-  }
-  std::memcpy(out, codes, d * sizeof(int16_t));
+  const float s = to_codes16(x, d, hmax(vmax), -kCodeMax, reinterpret_cast<int16_t*>(out));
   std::memcpy(out + d / 2, &s, sizeof(s));
 }
 
@@ -1274,33 +1274,19 @@ inline int64_t int8_weights(const float* prob, const Segment<int8_t>* segs, int6
     off += n;
   }
   const int64_t padded = (count + 15) / 16 * 16;
-  for (int64_t t = count; t < padded; ++t) sv[t] = 0.f;
   rows[count] = kZeroRow;
   alignas(32) float w[kMaxChunkKeys + 16];
   for (int h = 0; h < NH; ++h) {
     const float* p = prob + h * kScoreStride;
     __m256 vmax = _mm256_setzero_ps();
     for (int64_t t = 0; t < padded; t += 8) {
-      // past count: weight 0 whatever the score row holds there
+      // past count: weight 0, whatever the score row and sv hold there
       const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_load_ps(sv + t));
-      const __m256 keep = t + 8 <= count ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))
-                                         : tail_mask(count - t);
-      const __m256 wt = _mm256_and_ps(x, t >= count ? _mm256_setzero_ps() : keep);
+      const __m256 wt = _mm256_and_ps(x, tail_mask(count - t));
       _mm256_store_ps(w + t, wt);
       vmax = _mm256_max_ps(vmax, wt);
     }
-    const float wmax = hmax(vmax);
-    sw[h] = wmax / kCodeMax;
-    for (int64_t t = 0; t < padded; t += 16) {
-      if (wmax > 0.f) {
-        const __m256 inv = _mm256_set1_ps(kCodeMax / wmax);
-        store_codes16(code8(_mm256_mul_ps(_mm256_load_ps(w + t), inv), 0.f, kCodeMax),
-                      code8(_mm256_mul_ps(_mm256_load_ps(w + t + 8), inv), 0.f, kCodeMax),
-                      codes[h] + t);
-      } else {
-        std::memset(codes[h] + t, 0, 16 * sizeof(int16_t));
-      }
-    }
+    sw[h] = to_codes16(w, padded, hmax(vmax), 0.f, codes[h]);
   }
   return (count + 1) / 2;
 }

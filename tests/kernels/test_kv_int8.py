@@ -151,6 +151,43 @@ def test_int8_chunk_rows_equal_rows_alone(block_size, window):
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [
+        (9, 3, 64, 16),  # groups of 3: SmolLM2's shape
+        (12, 2, 128, 8),  # groups of 6 (AVX-512: one pass of 6 heads, 32 dims a value pass)
+        (8, 2, 256, 64),  # a group of 4 (a pass of 3, then 1), the widest heads, 64-key blocks
+        (2, 2, 64, 32),  # one head a group
+    ],
+)
+def test_int8_tile_rows_equal_rows_alone_every_shape(heads, kv_heads, head_dim, block_size):
+    # A 37-row chunk at context 300 (tiles of 16, 16 and 5 rows; each tile's 64-key chunks
+    # unpacked once for its rows on AVX-512: paged_attention.cpp, "int8 tiles"; partial
+    # 16-key groups and odd counts at every row's last chunk): each row equals the same row
+    # decoded alone and the AVX2 loops' row, bit for bit, on every ISA the CPU has.
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    num_blocks = 2 + -(-300 // block_size)
+    cache = _int8_cache(num_blocks, block_size, kv_heads, head_dim, gen)
+    table = (torch.randperm(num_blocks - 1, generator=gen)[: num_blocks - 2] + 1).view(1, -1)
+    q = torch.randn(37, heads, head_dim, generator=gen)
+    no_decodes = torch.tensor([], dtype=torch.long)
+    chunk = (q, cache, [0, 37], [300], table, no_decodes, [0], head_dim**-0.5, None)
+    outs = {}
+    for isa in cpu.isas():
+        with cpu.use_isa(isa):
+            outs[isa] = cpu.paged_attention(*chunk)
+            for r in (0, 15, 16, 17, 31, 32, 36):
+                alone = cpu.paged_attention(
+                    q[r : r + 1], cache, [0, 1], [264 + r], table, torch.tensor([0]), [],
+                    head_dim**-0.5,
+                )
+                assert torch.equal(alone[0], outs[isa][r]), (isa, r)
+    first = next(iter(outs.values()))
+    assert all(torch.equal(out, first) for out in outs.values())
+    assert_close_to_reference(first, ref_attention.paged_attention(*chunk), cache)
+
+
+@needs_kernels
 @pytest.mark.skipif(not cpu.available() or not cpu.has_avx512(), reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_int8_avx512_equals_avx2(case):

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -1635,6 +1636,203 @@ AGENTX_AVX512BF16 void fold_chunk_pair_wide(const float* const* q,
   bf16_values_pair<D>(p, segs, counts, ts, c, st, pf);
 }
 
+// int8 tiles (AVX-512 VNNI): a tile's rows share each chunk's K and V, so one KV head's chunk
+// is unpacked once for them all (Int8Chunk), not once a row: its K codes transposed as int16
+// pairs (kt[p * kKtKeys + t]: key t's dims 2p and 2p + 1), so a register holds 16 keys' exact
+// sums (vpdpwssd with the query's dword p broadcast; no lanes to fold), and its V codes as the
+// key pairs' interleaved int16 registers that int8_values_avx512 builds for every row. The
+// integer sums are the same integers and the float steps around them the same operations, so
+// every score and value sum is the one-row loops', bit for bit.
+struct Int8Chunk {
+  alignas(64) uint32_t kt[128 * kKtKeys];  // D / 2 dwords a key (D <= 256)
+  alignas(64) int32_t vx[kKtKeys / 2 * 256];  // a key pair's D / 16 registers, D dwords
+  alignas(64) float ksc[kKtKeys];  // a key's row scale times the softmax scale; 0 past count
+  alignas(64) float sv[kKtKeys + 16];  // a value row's scale; 0 past count
+};
+
+// acc += the dword products of x and w (int16 pairs), as _mm512_dpwssd_epi32: through asm
+// because GCC kept the intrinsic's accumulators moving between registers every step of a loop
+// of twelve (a zmm copy per vpdpwssd)
+AGENTX_AVX512VNNI __attribute__((always_inline)) inline void dpwssd(__m512i& acc, __m512i x,
+                                                                    __m512i w) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+}
+
+// The first `count` (<= kKtKeys) keys of a chunk (its segments in order) for one KV head into c.
+template <int D>
+AGENTX_AVX512VNNI void int8_chunk(const Segment<int8_t>* segs, int64_t count, int64_t ts,
+                                  float scale, Int8Chunk* c) {
+  const int8_t* k[kKtKeys];
+  const int8_t* v[kKtKeys + 1];
+  for (int64_t off = 0, s = 0; off < count; ++s) {
+    const int64_t n = std::min(segs[s].count, count - off);
+    for (int64_t t = 0; t < n; ++t) {
+      k[off + t] = segs[s].k + t * ts;
+      v[off + t] = segs[s].v + t * ts;
+    }
+    off += n;
+  }
+  v[count] = kZeroRow;
+  for (int64_t t = 0; t < kKtKeys; ++t) {
+    c->ksc[t] = t < count ? row_scale<D>(k[t]) * scale : 0.f;
+    c->sv[t] = t < count ? row_scale<D>(v[t]) : 0.f;
+  }
+  for (int64_t t0 = 0; t0 < count; t0 += 16) {
+    for (int g = 0; g < D / 32; ++g) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = t0 + i < count ? _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(k[t0 + i] + 32 * g)))
+                              : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(c->kt + (16 * g + p) * kKtKeys + t0, r[p]);
+    }
+  }
+  for (int64_t j = 0; j < (count + 1) / 2; ++j) {
+    for (int g = 0; g < D / 32; ++g) {
+      const __m512i a = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[2 * j] + 32 * g)));
+      const __m512i b = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[2 * j + 1] + 32 * g)));
+      _mm512_store_si512(c->vx + j * D + 32 * g, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(c->vx + j * D + 32 * g + 16, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+// int8_scores_avx512's scores of keys [t0, t0 + 16 G) for NH heads of one row, from c's kt
+template <int D, int NH, int G>
+AGENTX_AVX512VNNI __attribute__((always_inline)) inline void int8_scores_kt_block(
+    const float* q, const Int8Chunk* c, int64_t t0, float* score) {
+  __m512i acc[NH][G];
+  for (int h = 0; h < NH; ++h) {
+    for (int g = 0; g < G; ++g) acc[h][g] = _mm512_setzero_si512();
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < D / 2; ++p) {
+    __m512i k[G];
+    for (int g = 0; g < G; ++g) k[g] = _mm512_load_si512(c->kt + p * kKtKeys + t0 + 16 * g);
+    for (int h = 0; h < NH; ++h) {
+      int32_t qd;
+      std::memcpy(&qd, query_codes<D>(q, h) + 2 * p, sizeof(qd));
+      const __m512i qv = _mm512_set1_epi32(qd);
+      for (int g = 0; g < G; ++g) acc[h][g] = _mm512_dpwssd_epi32(acc[h][g], k[g], qv);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    const __m512 sq = _mm512_set1_ps(query_scale<D>(q, h));
+    for (int g = 0; g < G; ++g) {
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[h][g]), sq);
+      _mm512_storeu_ps(score + h * kScoreStride + t0 + 16 * g,
+                       _mm512_mul_ps(f, _mm512_load_ps(c->ksc + t0 + 16 * g)));
+    }
+  }
+}
+
+// the scores of keys [0, count) (and up to the next multiple of 16, past count: zeros' or the
+// chunk's later keys', which the softmax and weights mask) for NH heads of one row
+template <int D, int NH>
+AGENTX_AVX512VNNI inline void int8_scores_kt(const float* q, const Int8Chunk* c, int64_t count,
+                                             float* score) {
+  switch ((count + 15) / 16) {
+    case 4: int8_scores_kt_block<D, NH, 4>(q, c, 0, score); break;
+    case 3: int8_scores_kt_block<D, NH, 3>(q, c, 0, score); break;
+    case 2: int8_scores_kt_block<D, NH, 2>(q, c, 0, score); break;
+    default: int8_scores_kt_block<D, NH, 1>(q, c, 0, score); break;
+  }
+}
+
+// int8_values_avx512 over c's unpacked pairs: the same weights' codes and sums. Fetch: the row
+// that fetches the next chunks (a tile's last); the others' loops have no Prefetcher steps,
+// which left GCC moving the twelve accumulators between registers every key pair.
+template <int D, int NH, bool Fetch>
+AGENTX_AVX512VNNI inline void int8_values_kt(const float* prob, const Int8Chunk* c,
+                                             int64_t count, const float* correction,
+                                             State* const* st, Prefetcher* pf_home) {
+  PrefetchScope pf_scope(pf_home);
+  Prefetcher* pf = &pf_scope.f;
+  constexpr int P = NH > 3 ? 32 : 64;  // dims a pass
+  constexpr int R = P / 16;  // registers a head
+  alignas(64) int16_t codes[NH][kKtKeys + 16];
+  float sw[NH];
+  const int64_t padded = (count + 15) / 16 * 16;
+  alignas(32) float w[kKtKeys + 16];
+  for (int h = 0; h < NH; ++h) {  // int8_weights' steps
+    const float* p = prob + h * kScoreStride;
+    __m256 vmax = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_load_ps(c->sv + t));
+      const __m256 wt = _mm256_and_ps(x, tail_mask(count - t));
+      _mm256_store_ps(w + t, wt);
+      vmax = _mm256_max_ps(vmax, wt);
+    }
+    sw[h] = to_codes16(w, padded, hmax(vmax), 0.f, codes[h]);
+  }
+  const int64_t pairs = (count + 1) / 2;
+  const __m512i dims_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i dims_hi =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int s = 0; s < D; s += P) {
+    __m512i acc[NH][R];
+    for (int h = 0; h < NH; ++h) {
+      for (int i = 0; i < R; ++i) acc[h][i] = _mm512_setzero_si512();
+    }
+    for (int64_t j = 0; j < pairs; ++j) {
+      if (Fetch && s % 64 == 0) pf->step();  // once a key pair and 64 dims, as attend_tile counts
+      __m512i x[R];
+      for (int i = 0; i < R; ++i) x[i] = _mm512_load_si512(c->vx + j * D + s + 16 * i);
+      for (int h = 0; h < NH; ++h) {
+        int32_t pair;
+        std::memcpy(&pair, codes[h] + 2 * j, sizeof(pair));
+        const __m512i wv = _mm512_set1_epi32(pair);
+        for (int i = 0; i < R; ++i) dpwssd(acc[h][i], wv, x[i]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int g = 0; g < R / 2; ++g) {
+        const __m512i ordered[2] = {
+            _mm512_permutex2var_epi32(acc[h][2 * g], dims_lo, acc[h][2 * g + 1]),
+            _mm512_permutex2var_epi32(acc[h][2 * g], dims_hi, acc[h][2 * g + 1])};
+        for (int u = 0; u < 2; ++u) {
+          float* dst = st[h]->acc + s + 32 * g + 16 * u;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(dst), _mm512_set1_ps(correction[h]));
+          __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[u]), _mm512_set1_ps(sw[h]));
+          asm("" : "+v"(a), "+v"(b));
+          _mm512_storeu_ps(dst, _mm512_add_ps(a, b));
+        }
+      }
+    }
+  }
+}
+
+// fold_heads for one row of an int8 tile over an unpacked chunk: fold_chunk's steps per pass
+// of heads (the same passes), its loops replaced by the ones above
+template <int D, bool Fetch>
+AGENTX_AVX512VNNI void fold_heads_int8(const float* q, const Int8Chunk* c, int64_t count,
+                                       float* score, State* st, int64_t group, Prefetcher* pf) {
+  State* ptrs[6];
+  float correction[6];
+  for (int64_t g = 0; g < group;) {
+    const int64_t nh = std::min<int64_t>(group - g >= 6 ? 6 : 3, group - g);
+    for (int64_t h = 0; h < nh; ++h) ptrs[h] = st + g + h;
+    const float* qg = q + g * D;
+    g += nh;
+    const auto pass = [&](auto heads) {
+      constexpr int NH = decltype(heads)::value;
+      int8_scores_kt<D, NH>(qg, c, count, score);
+      softmax_heads<true, NH>(score, count, ptrs, correction);
+      int8_values_kt<D, NH, Fetch>(score, c, count, correction, ptrs, pf);
+    };
+    switch (nh) {
+      case 6: pass(std::integral_constant<int, 6>{}); break;
+      case 3: pass(std::integral_constant<int, 3>{}); break;
+      case 2: pass(std::integral_constant<int, 2>{}); break;
+      default: pass(std::integral_constant<int, 1>{}); break;
+    }
+  }
+}
+
 // The segments of one KV head: the same keys, `head` elements further into each token row.
 template <typename T>
 inline void head_segments(const Segment<T>* segs, int64_t nsegs, int64_t head, Segment<T>* out) {
@@ -1756,6 +1954,11 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   constexpr bool kPaired = std::is_same_v<T, at::BFloat16>;  // bf16's paired order
   constexpr bool kTransposed = Wide && kPaired;  // tiles' scores from transposed chunks
   alignas(64) thread_local uint32_t kt_buffer[kTransposed ? 128 * kKtKeys : 1];  // D <= 256
+  constexpr bool kInt8Tiles = Wide && kInt8<T>;  // tiles' chunks unpacked once (Int8Chunk)
+  thread_local std::unique_ptr<Int8Chunk> int8_chunk_buffer;
+  if constexpr (kInt8Tiles) {
+    if (tile_rows > 1 && !int8_chunk_buffer) int8_chunk_buffer = std::make_unique<Int8Chunk>();
+  }
   std::optional<FlushDenormals> flush;  // bf16: the float steps VDPBF16PS takes, on any CPU
   if constexpr (kPaired) {  // the tile's queries rounded to bf16: in paired order, or as bf16
     flush.emplace();
@@ -1831,6 +2034,24 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
     // dim 64) stay in L1 for the tile's rows; all heads' would not
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       head_segments<T>(segs, nsegs, h * row, head_segs);
+      if constexpr (kInt8Tiles) {
+        if (tile_rows > 1 && chunk <= kKtKeys) {
+          Int8Chunk* c = int8_chunk_buffer.get();
+          int8_chunk<D>(head_segs, end - start, token_stride, scale, c);
+          for (int64_t r = 0; r < tile_rows; ++r) {
+            const int64_t count = std::min(end, ends[r]) - start;
+            if (count <= 0) continue;
+            const float* qr = q + r * q_row_stride + h * group * D;
+            State* st = states + r * heads + h * group;
+            if (r == tile_rows - 1) {
+              fold_heads_int8<D, true>(qr, c, count, score, st, group, &pf);
+            } else {
+              fold_heads_int8<D, false>(qr, c, count, score, st, group, &idle);
+            }
+          }
+          continue;
+        }
+      }
       const uint32_t* kt = nullptr;  // the chunk's K transposed, for a tile's rows (AVX-512 bf16)
       if constexpr (kTransposed) {
         if (tile_rows > 1 && chunk <= kKtKeys) {

@@ -11,6 +11,7 @@ prediction is the fp32 cache's (bf16 against fp32 is the scale for int8 against 
 
     python benchmarks/kv_int8_perplexity.py
     python benchmarks/kv_int8_perplexity.py --file /path/to/text --kb 16 --quantization none
+    python benchmarks/kv_int8_perplexity.py --model qwen2.5-coder-1.5b   # the coding model
 """
 
 # ruff: noqa: E402
@@ -34,9 +35,12 @@ def windows(engine: Engine, text: str, size: int) -> list[list[int]]:
     return [ids[i : i + size] for i in range(0, len(ids) - 1, size) if len(ids[i:]) > 1]
 
 
-def score(dtype: str, quantization: str, text: str, size: int) -> tuple[float, int, list[int]]:
+def score(
+    dtype: str, quantization: str, text: str, size: int, model: str | None = None
+) -> tuple[float, int, list[int]]:
     """(perplexity, tokens predicted, each position's top-1 token) for one KV element type."""
     config = EngineConfig(
+        **({} if model is None else {"model": model}),
         quantization=quantization,
         cache=CacheConfig(kv_cache_bytes=256 << 20, kv_cache_dtype=dtype),
     )
@@ -61,13 +65,14 @@ def main() -> None:
     parser.add_argument("--kb", type=int, default=12, help="KB of the file's start to score")
     parser.add_argument("--window", type=int, default=1024, help="tokens a prompt")
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--model", default=None, help="EngineConfig.model (default: embedded)")
     args = parser.parse_args()
     text = args.file.read_text()[: args.kb * 1024]
     dtypes = ("float32", "bfloat16", "int8")
-    results = {dt: score(dt, args.quantization, text, args.window) for dt in dtypes}
+    results = {dt: score(dt, args.quantization, text, args.window, args.model) for dt in dtypes}
     print(
-        f"{args.file.name}: first {len(text)} chars, windows of {args.window} tokens, "
-        f"quantization={args.quantization}"
+        f"{args.model or 'embedded model'}, {args.file.name}: first {len(text)} chars, windows "
+        f"of {args.window} tokens, quantization={args.quantization}"
     )
     print("| KV cache | tokens | perplexity | top-1 as fp32's |")
     print("|---|---|---|---|")

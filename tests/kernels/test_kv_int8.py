@@ -177,10 +177,8 @@ def test_int8_tile_rows_equal_rows_alone_every_shape(heads, kv_heads, head_dim, 
         with cpu.use_isa(isa):
             outs[isa] = cpu.paged_attention(*chunk)
             for r in (0, 15, 16, 17, 31, 32, 36):
-                alone = cpu.paged_attention(
-                    q[r : r + 1], cache, [0, 1], [264 + r], table, torch.tensor([0]), [],
-                    head_dim**-0.5,
-                )
+                decode = ([0, 1], [264 + r], table, torch.tensor([0]), [], head_dim**-0.5)
+                alone = cpu.paged_attention(q[r : r + 1], cache, *decode)
                 assert torch.equal(alone[0], outs[isa][r]), (isa, r)
     first = next(iter(outs.values()))
     assert all(torch.equal(out, first) for out in outs.values())

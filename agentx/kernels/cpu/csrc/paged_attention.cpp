@@ -1261,21 +1261,12 @@ AGENTX_AVX512VNNI void int8_scores_avx512(const float* q, const int8_t* kb, int6
 // scale, as the value loops below take them.
 alignas(64) constexpr int8_t kZeroRow[256] = {};
 
-template <int D, int NH>
-inline int64_t int8_weights(const float* prob, const Segment<int8_t>* segs, int64_t count,
-                            int64_t ts, const int8_t** rows, int16_t (*codes)[kMaxChunkKeys + 16],
-                            float* sw) {
-  alignas(32) float sv[kMaxChunkKeys + 8];
-  for (int64_t off = 0, g = 0; off < count; ++g) {
-    const int64_t n = std::min(segs[g].count, count - off);
-    for (int64_t t = 0; t < n; ++t) {
-      rows[off + t] = segs[g].v + t * ts;
-      sv[off + t] = row_scale<D>(rows[off + t]);
-    }
-    off += n;
-  }
+// Each head's weights p_t * s_v(t) over `count` keys (sv: the value rows' scales, read to the
+// next multiple of 16) as int16 codes, codes[h], and their scale, sw[h]
+template <int NH>
+inline void int8_weight_codes(const float* prob, const float* sv, int64_t count,
+                              int16_t (*codes)[kMaxChunkKeys + 16], float* sw) {
   const int64_t padded = (count + 15) / 16 * 16;
-  rows[count] = kZeroRow;
   alignas(32) float w[kMaxChunkKeys + 16];
   for (int h = 0; h < NH; ++h) {
     const float* p = prob + h * kScoreStride;
@@ -1289,6 +1280,23 @@ inline int64_t int8_weights(const float* prob, const Segment<int8_t>* segs, int6
     }
     sw[h] = to_codes16(w, padded, hmax(vmax), 0.f, codes[h]);
   }
+}
+
+template <int D, int NH>
+inline int64_t int8_weights(const float* prob, const Segment<int8_t>* segs, int64_t count,
+                            int64_t ts, const int8_t** rows, int16_t (*codes)[kMaxChunkKeys + 16],
+                            float* sw) {
+  alignas(32) float sv[kMaxChunkKeys + 8];
+  for (int64_t off = 0, g = 0; off < count; ++g) {
+    const int64_t n = std::min(segs[g].count, count - off);
+    for (int64_t t = 0; t < n; ++t) {
+      rows[off + t] = segs[g].v + t * ts;
+      sv[off + t] = row_scale<D>(rows[off + t]);
+    }
+    off += n;
+  }
+  rows[count] = kZeroRow;
+  int8_weight_codes<NH>(prob, sv, count, codes, sw);
   return (count + 1) / 2;
 }
 
@@ -1340,6 +1348,33 @@ inline void int8_values(const float* prob, const Segment<int8_t>* segs, int64_t 
   }
 }
 
+// acc * correction + float(sums) * s_w, a product each, then the add (the empty asm keeps them
+// from fusing into an FMA), for one pass's value sums of NH heads (R registers a head, dims
+// s .. s + 16 R; lane 4L + i of an unpacked pair holds dim 8L + i (lo) or 8L + 4 + i (hi) of
+// its 32)
+template <int NH, int R>
+AGENTX_AVX512VNNI __attribute__((always_inline)) inline void add_value_sums_avx512(
+    const __m512i (&acc)[NH][R], int s, const float* correction, const float* sw,
+    State* const* st) {
+  const __m512i dims_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i dims_hi =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int h = 0; h < NH; ++h) {
+    for (int c = 0; c < R / 2; ++c) {
+      const __m512i ordered[2] = {
+          _mm512_permutex2var_epi32(acc[h][2 * c], dims_lo, acc[h][2 * c + 1]),
+          _mm512_permutex2var_epi32(acc[h][2 * c], dims_hi, acc[h][2 * c + 1])};
+      for (int u = 0; u < 2; ++u) {
+        float* dst = st[h]->acc + s + 32 * c + 16 * u;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(dst), _mm512_set1_ps(correction[h]));
+        __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[u]), _mm512_set1_ps(sw[h]));
+        asm("" : "+v"(a), "+v"(b));
+        _mm512_storeu_ps(dst, _mm512_add_ps(a, b));
+      }
+    }
+  }
+}
+
 // int8_values for AVX-512 (VNNI): 64 dims a pass (32 with more than 3 heads: the registers),
 // one vpdpwssd a 16 dims, key pair and head; the same sums, so the same bits.
 template <int D, int NH>
@@ -1354,10 +1389,6 @@ AGENTX_AVX512VNNI void int8_values_avx512(const float* prob, const Segment<int8_
   alignas(64) int16_t codes[NH][kMaxChunkKeys + 16];
   float sw[NH];
   const int64_t pairs = int8_weights<D, NH>(prob, segs, count, ts, rows, codes, sw);
-  // lane 4L + i of an unpacked pair holds dim 8L + i (lo) or 8L + 4 + i (hi) of its 32
-  const __m512i dims_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i dims_hi =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int s = 0; s < D; s += P) {
     __m512i acc[NH][R];
     for (int h = 0; h < NH; ++h) {
@@ -1381,20 +1412,7 @@ AGENTX_AVX512VNNI void int8_values_avx512(const float* prob, const Segment<int8_
         for (int i = 0; i < R; ++i) acc[h][i] = _mm512_dpwssd_epi32(acc[h][i], x[i], w);
       }
     }
-    for (int h = 0; h < NH; ++h) {
-      for (int c = 0; c < R / 2; ++c) {
-        const __m512i ordered[2] = {
-            _mm512_permutex2var_epi32(acc[h][2 * c], dims_lo, acc[h][2 * c + 1]),
-            _mm512_permutex2var_epi32(acc[h][2 * c], dims_hi, acc[h][2 * c + 1])};
-        for (int u = 0; u < 2; ++u) {
-          float* dst = st[h]->acc + s + 32 * c + 16 * u;
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(dst), _mm512_set1_ps(correction[h]));
-          __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[u]), _mm512_set1_ps(sw[h]));
-          asm("" : "+v"(a), "+v"(b));
-          _mm512_storeu_ps(dst, _mm512_add_ps(a, b));
-        }
-      }
-    }
+    add_value_sums_avx512<NH, R>(acc, s, correction, sw, st);
   }
 }
 
@@ -1754,25 +1772,10 @@ AGENTX_AVX512VNNI inline void int8_values_kt(const float* prob, const Int8Chunk*
   Prefetcher* pf = &pf_scope.f;
   constexpr int P = NH > 3 ? 32 : 64;  // dims a pass
   constexpr int R = P / 16;  // registers a head
-  alignas(64) int16_t codes[NH][kKtKeys + 16];
+  alignas(64) int16_t codes[NH][kMaxChunkKeys + 16];
   float sw[NH];
-  const int64_t padded = (count + 15) / 16 * 16;
-  alignas(32) float w[kKtKeys + 16];
-  for (int h = 0; h < NH; ++h) {  // int8_weights' steps
-    const float* p = prob + h * kScoreStride;
-    __m256 vmax = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 8) {
-      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_load_ps(c->sv + t));
-      const __m256 wt = _mm256_and_ps(x, tail_mask(count - t));
-      _mm256_store_ps(w + t, wt);
-      vmax = _mm256_max_ps(vmax, wt);
-    }
-    sw[h] = to_codes16(w, padded, hmax(vmax), 0.f, codes[h]);
-  }
+  int8_weight_codes<NH>(prob, c->sv, count, codes, sw);
   const int64_t pairs = (count + 1) / 2;
-  const __m512i dims_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i dims_hi =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int s = 0; s < D; s += P) {
     __m512i acc[NH][R];
     for (int h = 0; h < NH; ++h) {
@@ -1789,20 +1792,7 @@ AGENTX_AVX512VNNI inline void int8_values_kt(const float* prob, const Int8Chunk*
         for (int i = 0; i < R; ++i) dpwssd(acc[h][i], wv, x[i]);
       }
     }
-    for (int h = 0; h < NH; ++h) {
-      for (int g = 0; g < R / 2; ++g) {
-        const __m512i ordered[2] = {
-            _mm512_permutex2var_epi32(acc[h][2 * g], dims_lo, acc[h][2 * g + 1]),
-            _mm512_permutex2var_epi32(acc[h][2 * g], dims_hi, acc[h][2 * g + 1])};
-        for (int u = 0; u < 2; ++u) {
-          float* dst = st[h]->acc + s + 32 * g + 16 * u;
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(dst), _mm512_set1_ps(correction[h]));
-          __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[u]), _mm512_set1_ps(sw[h]));
-          asm("" : "+v"(a), "+v"(b));
-          _mm512_storeu_ps(dst, _mm512_add_ps(a, b));
-        }
-      }
-    }
+    add_value_sums_avx512<NH, R>(acc, s, correction, sw, st);
   }
 }
 

@@ -76,9 +76,9 @@ class CacheConfig:
     # kernels (CPU only: the reference dequantizes; the compiled kernels take integer dot
     # products, the query and the probabilities as 15-bit codes: paged_attention.cpp; about half
     # the bytes of bf16 a decode step reads, ~1.9x the tokens a pool holds; kernels/ref/kv_int8.py).
-    # int8 costs SmolLM2 no perplexity but Qwen2.5-Coder-1.5B 3.6% (one scale a token and KV
-    # head against its keys' few large channels), and wins no throughput on the agent traces
-    # (docs/BENCHMARKS.md): "auto" never picks it.
+    # int8 costs SmolLM2 no perplexity but Qwen2.5-Coder-1.5B 3.6% (likely its keys' few large
+    # channels against one scale a token and KV head), and wins no throughput on the agent
+    # traces (docs/BENCHMARKS.md): "auto" never picks it.
     kv_cache_dtype: str = "auto"
     # CPU: ask the kernel for transparent huge pages (2 MiB) under the pool (``madvise``; used
     # where /sys/kernel/mm/transparent_hugepage allows it; a kernel that refuses the advice gets

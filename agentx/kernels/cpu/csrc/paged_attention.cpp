@@ -1668,6 +1668,13 @@ struct Int8Chunk {
   alignas(64) float sv[kKtKeys + 16];  // a value row's scale; 0 past count
 };
 
+// This thread's Int8Chunk (~65 KB), made at its first int8 tile, not in every thread's TLS
+Int8Chunk* thread_int8_chunk() {
+  thread_local std::unique_ptr<Int8Chunk> chunk;
+  if (!chunk) chunk = std::make_unique<Int8Chunk>();
+  return chunk.get();
+}
+
 // acc += the dword products of x and w (int16 pairs), as _mm512_dpwssd_epi32: through asm
 // because GCC kept the intrinsic's accumulators moving between registers every step of a loop
 // of twelve (a zmm copy per vpdpwssd)
@@ -1719,10 +1726,10 @@ AGENTX_AVX512VNNI void int8_chunk(const Segment<int8_t>* segs, int64_t count, in
   }
 }
 
-// int8_scores_avx512's scores of keys [t0, t0 + 16 G) for NH heads of one row, from c's kt
+// int8_scores_avx512's scores of keys [0, 16 G) for NH heads of one row, from c's kt
 template <int D, int NH, int G>
 AGENTX_AVX512VNNI __attribute__((always_inline)) inline void int8_scores_kt_block(
-    const float* q, const Int8Chunk* c, int64_t t0, float* score) {
+    const float* q, const Int8Chunk* c, float* score) {
   __m512i acc[NH][G];
   for (int h = 0; h < NH; ++h) {
     for (int g = 0; g < G; ++g) acc[h][g] = _mm512_setzero_si512();
@@ -1730,7 +1737,7 @@ AGENTX_AVX512VNNI __attribute__((always_inline)) inline void int8_scores_kt_bloc
 #pragma GCC unroll 4
   for (int p = 0; p < D / 2; ++p) {
     __m512i k[G];
-    for (int g = 0; g < G; ++g) k[g] = _mm512_load_si512(c->kt + p * kKtKeys + t0 + 16 * g);
+    for (int g = 0; g < G; ++g) k[g] = _mm512_load_si512(c->kt + p * kKtKeys + 16 * g);
     for (int h = 0; h < NH; ++h) {
       int32_t qd;
       std::memcpy(&qd, query_codes<D>(q, h) + 2 * p, sizeof(qd));
@@ -1742,8 +1749,8 @@ AGENTX_AVX512VNNI __attribute__((always_inline)) inline void int8_scores_kt_bloc
     const __m512 sq = _mm512_set1_ps(query_scale<D>(q, h));
     for (int g = 0; g < G; ++g) {
       const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[h][g]), sq);
-      _mm512_storeu_ps(score + h * kScoreStride + t0 + 16 * g,
-                       _mm512_mul_ps(f, _mm512_load_ps(c->ksc + t0 + 16 * g)));
+      _mm512_storeu_ps(score + h * kScoreStride + 16 * g,
+                       _mm512_mul_ps(f, _mm512_load_ps(c->ksc + 16 * g)));
     }
   }
 }
@@ -1754,16 +1761,17 @@ template <int D, int NH>
 AGENTX_AVX512VNNI inline void int8_scores_kt(const float* q, const Int8Chunk* c, int64_t count,
                                              float* score) {
   switch ((count + 15) / 16) {
-    case 4: int8_scores_kt_block<D, NH, 4>(q, c, 0, score); break;
-    case 3: int8_scores_kt_block<D, NH, 3>(q, c, 0, score); break;
-    case 2: int8_scores_kt_block<D, NH, 2>(q, c, 0, score); break;
-    default: int8_scores_kt_block<D, NH, 1>(q, c, 0, score); break;
+    case 4: int8_scores_kt_block<D, NH, 4>(q, c, score); break;
+    case 3: int8_scores_kt_block<D, NH, 3>(q, c, score); break;
+    case 2: int8_scores_kt_block<D, NH, 2>(q, c, score); break;
+    default: int8_scores_kt_block<D, NH, 1>(q, c, score); break;
   }
 }
 
 // int8_values_avx512 over c's unpacked pairs: the same weights' codes and sums. Fetch: the row
-// that fetches the next chunks (a tile's last); the others' loops have no Prefetcher steps,
-// which left GCC moving the twelve accumulators between registers every key pair.
+// that fetches the next chunks (a tile's last) takes the Prefetcher steps; the other rows' loop
+// has none (with them in every row's loop, GCC moved the twelve accumulators between
+// registers every key pair).
 template <int D, int NH, bool Fetch>
 AGENTX_AVX512VNNI inline void int8_values_kt(const float* prob, const Int8Chunk* c,
                                              int64_t count, const float* correction,
@@ -1801,7 +1809,7 @@ AGENTX_AVX512VNNI inline void int8_values_kt(const float* prob, const Int8Chunk*
 template <int D, bool Fetch>
 AGENTX_AVX512VNNI void fold_heads_int8(const float* q, const Int8Chunk* c, int64_t count,
                                        float* score, State* st, int64_t group, Prefetcher* pf) {
-  State* ptrs[6];
+  State* ptrs[6];  // kHeadsAPass<true> (below): passes of 6 heads, else 3
   float correction[6];
   for (int64_t g = 0; g < group;) {
     const int64_t nh = std::min<int64_t>(group - g >= 6 ? 6 : 3, group - g);
@@ -1945,10 +1953,6 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
   constexpr bool kTransposed = Wide && kPaired;  // tiles' scores from transposed chunks
   alignas(64) thread_local uint32_t kt_buffer[kTransposed ? 128 * kKtKeys : 1];  // D <= 256
   constexpr bool kInt8Tiles = Wide && kInt8<T>;  // tiles' chunks unpacked once (Int8Chunk)
-  thread_local std::unique_ptr<Int8Chunk> int8_chunk_buffer;
-  if constexpr (kInt8Tiles) {
-    if (tile_rows > 1 && !int8_chunk_buffer) int8_chunk_buffer = std::make_unique<Int8Chunk>();
-  }
   std::optional<FlushDenormals> flush;  // bf16: the float steps VDPBF16PS takes, on any CPU
   if constexpr (kPaired) {  // the tile's queries rounded to bf16: in paired order, or as bf16
     flush.emplace();
@@ -2026,7 +2030,7 @@ void attend_tile(const float* q, int64_t q_row_stride, const T* cache, int64_t b
       head_segments<T>(segs, nsegs, h * row, head_segs);
       if constexpr (kInt8Tiles) {
         if (tile_rows > 1 && chunk <= kKtKeys) {
-          Int8Chunk* c = int8_chunk_buffer.get();
+          Int8Chunk* c = thread_int8_chunk();
           int8_chunk<D>(head_segs, end - start, token_stride, scale, c);
           for (int64_t r = 0; r < tile_rows; ++r) {
             const int64_t count = std::min(end, ends[r]) - start;

@@ -191,10 +191,15 @@ class SchedulerConfig:
     # price is the slowest decodes at 16+ sessions on text (interactivity P90 5.3 -> 3.3-3.4
     # tok/s at 16, TPGS the same).
     short_turn_tokens: int = 512
-    # Drafts (SpeculativeConfig) are verified only in steps where every request's tokens
-    # fit: while a turn waits or a prefill is chunked, the step's compute goes to it instead
-    # of to guesses (a draft is free only where the step is bound by reading weights).
-    drafts_yield_to_prefill: bool = False
+    # Drafts (SpeculativeConfig) are verified only in steps that compute no prompt tokens and
+    # leave none waiting: while a turn is prefilled, waits or is chunked, the step's compute
+    # goes to it instead of to guesses (a draft is free only where the step is bound by reading
+    # weights; a prefill step is bound by its compute). Drafting then happens where it pays,
+    # in steps of decodes alone, and less the more sessions keep prefills coming. On the text
+    # trace (Zen 4, 2 cores, two runs) it lifted the slowest decodes at 32 sessions from
+    # 4.6-5.5 to 6.4 tok/s (interactivity P90) with TTFT P50 0.28-0.31 s, not 0.34-0.42
+    # (docs/bench/notes-2026-12-07c.md).
+    drafts_yield_to_prefill: bool = True
     # First-turn lanes (engine/scheduler/lanes.py): a request admitted with more than this many
     # tokens left to compute after its prefix hit is a cold first turn; while it runs beside
     # warm turns it gets cold_prefill_share of each step's chunk tokens (kept for it, and no
@@ -346,15 +351,24 @@ class SpeculativeConfig:
     # The most tokens one request drafts in a step; each request adapts its own k below this
     # from the drafts it saw accepted.
     num_speculative_tokens: int = 8
+    # The k a new request starts at (each turn of a session is a new request): it then doubles
+    # while verification keeps every draft. Starting at the most, a turn's first verification
+    # ran 8 drafts of which few were kept: on the text trace (Zen 4, 2 threads) 47% of all
+    # drafts were kept starting at 8, 63% starting at 2 (docs/bench/notes-2026-12-07c.md).
+    num_first_draft_tokens: int = 2
     # Finished outputs kept in the engine-wide draft source (0: none; sessions add their tree's).
     num_engine_outputs: int = 16
 
     def __post_init__(self) -> None:
-        _check_ints(self, ("num_speculative_tokens",), 1)
+        _check_ints(self, ("num_speculative_tokens", "num_first_draft_tokens"), 1)
         _check_ints(self, ("num_engine_outputs",), 0)
         if self.num_speculative_tokens <= 0:
             raise ConfigError(
                 f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}"
+            )
+        if self.num_first_draft_tokens <= 0:
+            raise ConfigError(
+                f"num_first_draft_tokens must be positive, got {self.num_first_draft_tokens}"
             )
         if self.num_engine_outputs < 0:
             raise ConfigError(f"num_engine_outputs must be >= 0, got {self.num_engine_outputs}")

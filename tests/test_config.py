@@ -34,6 +34,7 @@ NAN = math.nan
         (lambda: OffloadConfig(prefetch_margin_s=NAN), "prefetch_margin_s"),
         (lambda: OffloadConfig(disk_path=3), "disk_path"),
         (lambda: SpeculativeConfig(num_speculative_tokens=2.5), "num_speculative_tokens"),
+        (lambda: SpeculativeConfig(num_first_draft_tokens=0), "num_first_draft_tokens"),
         (lambda: EngineConfig(max_model_len=2.5), "max_model_len"),
         (lambda: EngineConfig(max_model_len=NAN), "max_model_len"),
         (lambda: EngineConfig(num_threads=1.5), "num_threads"),

@@ -169,7 +169,8 @@ class EngineCore:
         sources = tuple(
             s for s in (options.draft_source, self.draft_source) if s is not None and s.max_entries
         )
-        drafter = Drafter(self.config.speculative.num_speculative_tokens, sources)
+        spec = self.config.speculative
+        drafter = Drafter(spec.num_speculative_tokens, sources, spec.num_first_draft_tokens)
         return {"drafter": drafter, "draft_sinks": sources}
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:

@@ -141,10 +141,11 @@ def _match_size(tokens: list[int], pos: int, tail: Sequence[int]) -> int:
 class Drafter:
     """One request's drafting state.
 
-    ``k`` adapts to what verification accepts: every draft accepted doubles it (up to
-    ``max_k``), a partial acceptance sets it to one past the accepted count, and drafts that
-    keep failing whole make the request wait (1, 2, 4, ... steps, up to 32) before it drafts
-    again, so a request whose context does not repeat costs almost nothing.
+    ``k`` starts at ``start_k`` (``max_k`` when not given) and adapts to what verification
+    accepts: every draft accepted doubles it (up to ``max_k``), a partial acceptance sets it to
+    one past the accepted count, and drafts that keep failing whole make the request wait (1,
+    2, 4, ... steps, up to 32) before it drafts again, so a request whose context does not
+    repeat costs almost nothing.
     """
 
     __slots__ = (
@@ -158,9 +159,11 @@ class Drafter:
         "sources",
     )
 
-    def __init__(self, max_k: int, sources: Sequence[DraftSource] = ()) -> None:
+    def __init__(
+        self, max_k: int, sources: Sequence[DraftSource] = (), start_k: int | None = None
+    ) -> None:
         self.max_k = max_k
-        self.k = max_k
+        self.k = max_k if start_k is None else max(1, min(start_k, max_k))
         self.sources = tuple(sources)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

@@ -18,6 +18,7 @@ from agentx import (
 from agentx.engine.core import EngineCore
 from agentx.engine.draft import Drafter, DraftSource, TokenIndex
 from agentx.engine.outputs import ModelRunnerOutput
+from agentx.engine.request import RequestOptions
 from agentx.engine.scheduler import Scheduler
 from agentx.engine.structured import StructuredOutput, apply_bitmask, compact_json
 from tests.helpers.kv import make_manager, make_request
@@ -81,6 +82,26 @@ def test_k_adapts_to_acceptance_and_backs_off_on_misses():
     drafter.observe(1, 0)  # a second miss in a row: two steps
     assert [drafter.propose(tokens, 8) for _ in range(3)] == [[], [], [3]]
     assert (drafter.num_draft_tokens, drafter.num_accepted_tokens) == (9, 3)
+
+
+def test_k_starts_at_start_k_and_doubles_while_every_draft_is_kept():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2]
+    drafter = Drafter(max_k=8, start_k=2)
+    assert drafter.propose(tokens, 8) == [3, 4]
+    drafter.observe(2, 2)
+    assert drafter.propose(tokens, 8) == [3, 4, 5, 6]
+    drafter.observe(4, 4)
+    assert drafter.propose(tokens, 8) == [3, 4, 5, 6, 7, 8, 9, 10]
+    drafter.observe(8, 8)
+    assert drafter.k == 8  # never past max_k
+    assert Drafter(max_k=4, start_k=6).k == 4 and Drafter(max_k=4).k == 4
+
+
+def test_an_engine_request_starts_at_the_configured_first_draft_tokens(default_engine):
+    core = default_engine.core
+    assert core.config.speculative.num_first_draft_tokens == 2
+    drafter = core._drafting(RequestOptions())["drafter"]
+    assert (drafter.k, drafter.max_k) == (2, core.config.speculative.num_speculative_tokens)
 
 
 # ---- verification and rollback in the scheduler (fake runner) ------------------------------
@@ -395,7 +416,7 @@ def test_a_drafted_position_the_budget_forces_is_sampled_again(default_engine):
     backend = default_engine.core._grammar_backend()
     tok = default_engine.tokenizer
     a, c = (tok.encode(x, add_special_tokens=False)[0] for x in "ac")
-    s = make_scheduler()
+    s = make_scheduler(drafts_yield_to_prefill=False)  # drafts beside its own prefill
     # "a"s, then "c": the shortest output is "c", and 2 tokens leave slack for one "a"
     grammar = backend.new_matcher(StructuredOutput(regex="a{0,10}c"), max_tokens=2)
     req = make_request("g", [a] * 6, max_tokens=2, grammar=grammar)  # its context: "a"s
@@ -448,8 +469,8 @@ def test_constrained_greedy_identical_with_drafts(make_engine, call_prompt, max_
 def test_drafts_yield_while_a_prefill_is_chunked(yield_):
     # the fixed prior (45 ms + 1.9 ms a token + 5 ms a request) at the 200 ms target leaves
     # floor((200 - 45 - 1.9 - 10) / 1.9) = 75 tokens for "b" beside "a"'s decode; with
-    # drafts_yield_to_prefill "a" drafts only once "b" is no longer clipped ("b", 100 tokens, is
-    # clipped to the share as any turn with short_turn_tokens=0)
+    # drafts_yield_to_prefill "a" drafts only once no step computes "b"'s prompt ("b", 100
+    # tokens, is clipped to the share as any turn with short_turn_tokens=0)
     s = make_scheduler(
         num_blocks=60,
         drafts_yield_to_prefill=yield_,
@@ -470,5 +491,12 @@ def test_drafts_yield_while_a_prefill_is_chunked(yield_):
     assert shape(out) == {"a": (1, 0) if yield_ else (5, 4), "b": (75, 0)}
     if yield_:
         s.update_from_output(out, ModelRunnerOutput({"a": 2}))
-        # "b"'s last 25 tokens fit: nothing is left wanting, "a" drafts "3 5 6 7"
-        assert shape(s.schedule()) == {"a": (5, 4), "b": (25, 0)}
+        # "b"'s last 25 tokens fit: nothing is left wanting, but the step computes them
+        out = s.schedule()
+        assert shape(out) == {"a": (1, 0), "b": (25, 0)}
+        s.update_from_output(out, ModelRunnerOutput({"a": 3, "b": 7}))
+        s.check_integrity()
+        # both decode: "a" drafts "5 6 7 8" (what followed "2 3")
+        out = s.schedule()
+        assert shape(out) == {"a": (5, 4), "b": (1, 0)}
+        assert out.scheduled[0].token_ids == [3, 5, 6, 7, 8]

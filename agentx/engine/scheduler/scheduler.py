@@ -228,7 +228,7 @@ class Scheduler:
         budget.num_chunk_tokens += reserved
         if lanes is not None:
             self._schedule_cold_lane(cold, admit, budget, scheduled)
-        if not (self.config.drafts_yield_to_prefill and self._prompt_left_wanting(scheduled)):
+        if not (self.config.drafts_yield_to_prefill and self._computes_prompt(scheduled)):
             self._add_drafts(budget, scheduled)
 
         output = self._build_output(scheduled)
@@ -283,6 +283,13 @@ class Scheduler:
         if admit and not preempted_any:
             self._admit_waiting(budget, scheduled, True)
         budget.num_chunk_tokens = left - (before - budget.num_chunk_tokens)
+
+    def _computes_prompt(self, scheduled: dict[str, _Scheduled]) -> bool:
+        """The step computes prompt tokens (some request was given more than one token), or
+        leaves some wanting."""
+        return any(item.num_new > 1 for item in scheduled.values()) or self._prompt_left_wanting(
+            scheduled
+        )
 
     def _prompt_left_wanting(self, scheduled: dict[str, _Scheduled]) -> bool:
         """Some request's tokens did not all fit this step: a turn still waiting, or a running

@@ -194,12 +194,13 @@ class SchedulerConfig:
     # Drafts (SpeculativeConfig) are verified only in steps that compute no prompt tokens and
     # leave none waiting: while a turn is prefilled, waits or is chunked, the step's compute
     # goes to it instead of to guesses (a draft is free only where the step is bound by reading
-    # weights; a prefill step is bound by its compute). Drafting then happens where it pays,
-    # in steps of decodes alone, and less the more sessions keep prefills coming. On the text
-    # trace (Zen 4, 2 cores, two runs) it lifted the slowest decodes at 32 sessions from
-    # 4.6-5.5 to 6.4 tok/s (interactivity P90) with TTFT P50 0.28-0.31 s, not 0.34-0.42
-    # (docs/bench/notes-2026-12-07c.md).
-    drafts_yield_to_prefill: bool = True
+    # weights; a prefill step on a CPU is bound by its compute). On the text trace (Zen 4, 2
+    # cores, three runs) it lifted the slowest decodes at 32 sessions from 4.6-5.5 to 6.3-6.4
+    # tok/s (interactivity P90), TTFT P50 0.27-0.31 s, not 0.34-0.42; but on the committed
+    # random-id trace, whose drafts are kept 96-98%, one run at 8 sessions gave 0.86x TPGS
+    # (docs/bench/notes-2026-12-07c.md). Off by default until drafting weighs a request's
+    # acceptance against the step's price.
+    drafts_yield_to_prefill: bool = False
     # First-turn lanes (engine/scheduler/lanes.py): a request admitted with more than this many
     # tokens left to compute after its prefix hit is a cold first turn; while it runs beside
     # warm turns it gets cold_prefill_share of each step's chunk tokens (kept for it, and no

@@ -191,8 +191,8 @@ class SchedulerConfig:
     # price is the slowest decodes at 16+ sessions on text (interactivity P90 5.3 -> 3.3-3.4
     # tok/s at 16, TPGS the same).
     short_turn_tokens: int = 512
-    # Drafts (SpeculativeConfig) are verified only in steps that compute no prompt tokens and
-    # leave none waiting: while a turn is prefilled, waits or is chunked, the step's compute
+    # True: drafts (SpeculativeConfig) are verified only in steps that compute no prompt tokens
+    # and leave none waiting: while a turn is prefilled, waits or is chunked, the step's compute
     # goes to it instead of to guesses (a draft is free only where the step is bound by reading
     # weights; a prefill step on a CPU is bound by its compute). On the text trace (Zen 4, 2
     # cores, three runs) it lifted the slowest decodes at 32 sessions from 4.6-5.5 to 6.3-6.4
@@ -353,8 +353,7 @@ class SpeculativeConfig:
     # from the drafts it saw accepted.
     num_speculative_tokens: int = 8
     # The k a new request starts at (each turn of a session is a new request): it then doubles
-    # while verification keeps every draft. Starting at the most, a turn's first verification
-    # ran 8 drafts of which few were kept: on the text trace (Zen 4, 2 threads) 47% of all
+    # while verification keeps every draft. On the text trace (Zen 4, 2 threads) 47% of all
     # drafts were kept starting at 8, 63% starting at 2 (docs/bench/notes-2026-12-07c.md).
     num_first_draft_tokens: int = 2
     # Finished outputs kept in the engine-wide draft source (0: none; sessions add their tree's).
@@ -366,10 +365,6 @@ class SpeculativeConfig:
         if self.num_speculative_tokens <= 0:
             raise ConfigError(
                 f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}"
-            )
-        if self.num_first_draft_tokens <= 0:
-            raise ConfigError(
-                f"num_first_draft_tokens must be positive, got {self.num_first_draft_tokens}"
             )
         if self.num_engine_outputs < 0:
             raise ConfigError(f"num_engine_outputs must be >= 0, got {self.num_engine_outputs}")

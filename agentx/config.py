@@ -191,16 +191,18 @@ class SchedulerConfig:
     # price is the slowest decodes at 16+ sessions on text (interactivity P90 5.3 -> 3.3-3.4
     # tok/s at 16, TPGS the same).
     short_turn_tokens: int = 512
-    # True: drafts (SpeculativeConfig) are verified only in steps that compute no prompt tokens
-    # and leave none waiting: while a turn is prefilled, waits or is chunked, the step's compute
-    # goes to it instead of to guesses (a draft is free only where the step is bound by reading
-    # weights; a prefill step on a CPU is bound by its compute). On the text trace (Zen 4, 2
-    # cores, three runs) it lifted the slowest decodes at 32 sessions from 4.6-5.5 to 6.3-6.4
-    # tok/s (interactivity P90), TTFT P50 0.27-0.31 s, not 0.34-0.42; but on the committed
-    # random-id trace, whose drafts are kept 96-98%, one run at 8 sessions gave 0.86x TPGS
-    # (docs/bench/notes-2026-12-07c.md). Off by default until drafting weighs a request's
-    # acceptance against the step's price.
-    drafts_yield_to_prefill: bool = False
+    # True: in a step that computes prompt tokens (a turn prefilled, waiting or chunked) a
+    # request drafts (SpeculativeConfig) only when at least prefill_drafts_min_kept of its
+    # drafts are kept: its own fraction once it has drafted 8 tokens, the engine's recent one
+    # before (engine/scheduler/scheduler.py); the rest give the step's compute to the prompt.
+    # A draft is nearly free where a step is bound by reading weights; a prefill step on a CPU
+    # is bound by its compute, so a rejected draft lengthens it for every decode and for the
+    # turn's first token. Yielding every draft (Zen 4, 2 cores) lifted the text trace's
+    # slowest decodes at 32 sessions from 4.6-5.5 to 6.3-6.4 tok/s (interactivity P90, drafts
+    # kept 65%) but cost 0.86x TPGS on the committed random-id trace (kept 96-98%) at 8
+    # sessions (docs/bench/notes-2026-12-07c.md).
+    drafts_yield_to_prefill: bool = True
+    prefill_drafts_min_kept: float = 0.9  # 0: never yield; above 1: every draft yields
     # First-turn lanes (engine/scheduler/lanes.py): a request admitted with more than this many
     # tokens left to compute after its prefix hit is a cold first turn; while it runs beside
     # warm turns it gets cold_prefill_share of each step's chunk tokens (kept for it, and no
@@ -231,7 +233,7 @@ class SchedulerConfig:
             ("decode_step_target_ms", "step_cost_base_ms", "step_cost_request_ms"),
             minimum=0,
         )
-        _check_reals(self, ("step_cost_token_ms",), 0)
+        _check_reals(self, ("step_cost_token_ms", "prefill_drafts_min_kept"), 0)
         for name in (
             "max_num_batched_tokens",
             "max_num_seqs",

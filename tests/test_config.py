@@ -29,6 +29,7 @@ NAN = math.nan
         (lambda: SchedulerConfig(long_prefill_token_threshold=NAN), "long_prefill_token_threshold"),
         (lambda: SchedulerConfig(decode_step_target_ms=NAN), "decode_step_target_ms"),
         (lambda: SchedulerConfig(step_cost_token_ms="1"), "step_cost_token_ms"),
+        (lambda: SchedulerConfig(prefill_drafts_min_kept=-0.1), "prefill_drafts_min_kept"),
         (lambda: OffloadConfig(host_bytes=NAN), "host_bytes"),
         (lambda: OffloadConfig(disk_bytes=2.5), "disk_bytes"),
         (lambda: OffloadConfig(prefetch_margin_s=NAN), "prefetch_margin_s"),

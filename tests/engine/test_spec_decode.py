@@ -500,3 +500,41 @@ def test_drafts_yield_while_a_prefill_is_chunked(yield_):
         out = s.schedule()
         assert shape(out) == {"a": (5, 4), "b": (1, 0)}
         assert out.scheduled[0].token_ids == [3, 5, 6, 7, 8]
+
+
+def test_a_request_whose_drafts_are_kept_drafts_beside_a_prefill():
+    # drafts_yield_to_prefill (the default) weighs the kept fraction: before a request has
+    # drafted 8 tokens the engine's recent one, then its own (prefill_drafts_min_kept 0.9)
+    s = make_scheduler(
+        num_blocks=60, step_cost_model="fixed", short_turn_tokens=0, long_prefill_token_threshold=64
+    )
+    req = make_request("a", [5, 6, 7, 8, 1, 2, 3, 5, 6, 7, 8], max_tokens=40)
+    s.add_request(req)
+    run_step(s, {"a": [1]})
+    req.drafter = Drafter(max_k=4)
+    assert s.get_kept_fraction(req) == 0.0  # nothing verified yet: it would yield
+    out, _ = run_step(s, {"a": [2, 3, 5, 6, 7]})  # all 4 drafts kept, "7" after them
+    assert out.scheduled[0].draft_token_ids == [2, 3, 5, 6]
+    assert s.get_kept_fraction(req) == 1.0  # 4 drafted: still the engine's (4 of 4)
+    s.add_request(make_request("b", list(range(100, 200)), max_tokens=4))
+
+    def shape(out):
+        return {x.request_id: (len(x.token_ids), x.num_draft_tokens) for x in out.scheduled}
+
+    # kept 1.0 >= 0.9: "a" drafts "8 1 2 3" beside "b"'s first chunk (64 tokens, the cap)
+    out = s.schedule()
+    assert shape(out) == {"a": (5, 4), "b": (64, 0)}
+    assert out.scheduled[0].draft_token_ids == [8, 1, 2, 3]
+    s.update_from_output(out, ModelRunnerOutput({"a": 8}, {"a": [9]}))  # "8" kept, then "9"
+    s.check_integrity()
+    # its own now: 5 of 8 kept; the engine's 4 * 0.98 + 1 of 4 * 0.98 + 4
+    assert s.get_kept_fraction(req) == 5 / 8
+    out = s.schedule()
+    assert shape(out) == {"a": (1, 0), "b": (36, 0)}  # it yields to "b"'s last chunk
+    s.update_from_output(out, ModelRunnerOutput({"a": 4, "b": 7}))
+    s.check_integrity()
+    fresh = make_request("c", [1, 2, 3], max_tokens=4)
+    fresh.drafter = Drafter(max_k=4)
+    assert s.get_kept_fraction(fresh) == pytest.approx((4 * 0.98 + 1) / (4 * 0.98 + 4))
+    fresh.drafter.observe(8, 8)  # 8 drafted: its own fraction counts, not the engine's
+    assert s.get_kept_fraction(fresh) == 1.0

@@ -50,6 +50,10 @@ from agentx.errors import PromptTooLongError
 
 # steps with decodes that the chunk share's estimate of drafts kept averages over
 _DECODE_WINDOW = 8
+# drafted tokens after which a request's own kept fraction decides whether it drafts in a
+# step that computes prompt tokens (before them: the engine's recent fraction)
+PREFILL_DRAFTS_OWN_MIN = 8
+_RECENT_DECAY = 0.98  # ~50 verifications: the engine's recent kept fraction
 
 
 @dataclass(slots=True)
@@ -135,6 +139,9 @@ class Scheduler:
         self.num_generated_tokens = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # drafts and kept drafts, each verification's weighing _RECENT_DECAY of the one before
+        self._recent_drafted = 0.0
+        self._recent_kept = 0.0
         self._kept_blocks: dict[str, int] = {}  # trimmed after rejected drafts, runner not told
         self.cost_model = cost_model if cost_model is not None else make_step_cost(config)
         self.clock = clock
@@ -228,8 +235,11 @@ class Scheduler:
         budget.num_chunk_tokens += reserved
         if lanes is not None:
             self._schedule_cold_lane(cold, admit, budget, scheduled)
-        if not (self.config.drafts_yield_to_prefill and self._computes_prompt(scheduled)):
-            self._add_drafts(budget, scheduled)
+        self._add_drafts(
+            budget,
+            scheduled,
+            self.config.drafts_yield_to_prefill and self._computes_prompt(scheduled),
+        )
 
         output = self._build_output(scheduled)
         self._step_started = None if output.is_empty else self.clock()
@@ -342,12 +352,19 @@ class Scheduler:
         kept = sum(k for k, _ in self._decode_steps) / n
         return kept, sum(r for _, r in self._decode_steps) / n
 
-    def _add_drafts(self, budget: _StepBudget, scheduled: dict[str, _Scheduled]) -> None:
+    def _add_drafts(
+        self, budget: _StepBudget, scheduled: dict[str, _Scheduled], computes_prompt: bool
+    ) -> None:
         """Drafts go last, with what is left of the budget and the free blocks: they never
-        take a block or a token that real tokens of this step need, nor release held KV."""
+        take a block or a token that real tokens of this step need, nor release held KV. In a
+        step that ``computes_prompt`` only requests whose drafts are mostly kept draft."""
         for rid, item in scheduled.items():
             if budget.num_tokens <= 0:
                 break
+            if computes_prompt and self.get_kept_fraction(item.request) < (
+                self.config.prefill_drafts_min_kept
+            ):
+                continue
             drafts = self._propose(item.request, item.num_new, budget)
             if not drafts:
                 continue
@@ -361,6 +378,17 @@ class Scheduler:
             new_blocks = KVCacheBlocks(blocks, item.new_blocks.held_kv)
             scheduled[rid] = item._replace(new_blocks=new_blocks, draft_token_ids=drafts)
             budget.take(0, len(drafts))
+
+    def get_kept_fraction(self, request: Request) -> float:
+        """The fraction of its drafts verification is expected to keep: the request's own once
+        it has drafted ``PREFILL_DRAFTS_OWN_MIN`` tokens, else the engine's recent one (0 before
+        any verification)."""
+        drafter = request.drafter
+        if drafter is not None and drafter.num_draft_tokens >= PREFILL_DRAFTS_OWN_MIN:
+            return drafter.num_accepted_tokens / drafter.num_draft_tokens
+        if self._recent_drafted <= 0:
+            return 0.0
+        return self._recent_kept / self._recent_drafted
 
     def _propose(self, request: Request, num_new: int, budget: _StepBudget) -> list[int]:
         """Drafts to follow the request's tokens, when these ``num_new`` reach its end: within
@@ -555,6 +583,8 @@ class Scheduler:
         request.drafter.observe(num_drafted, num_accepted)
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
+        self._recent_drafted = self._recent_drafted * _RECENT_DECAY + num_drafted
+        self._recent_kept = self._recent_kept * _RECENT_DECAY + num_accepted
 
     def _observe_step(self, output: SchedulerOutput) -> None:
         """Tell the cost model how long the step since schedule() took (the runner's time)."""

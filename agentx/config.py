@@ -200,7 +200,9 @@ class SchedulerConfig:
     # turn's first token. Yielding every draft (Zen 4, 2 cores) lifted the text trace's
     # slowest decodes at 32 sessions from 4.6-5.5 to 6.3-6.4 tok/s (interactivity P90, drafts
     # kept 65%) but cost 0.86x TPGS on the committed random-id trace (kept 96-98%) at 8
-    # sessions (docs/bench/notes-2026-12-07c.md).
+    # sessions (docs/bench/notes-2026-12-07c.md). Weighed at 0.9: the random-id trace 1.05-1.07x
+    # TPGS against no yield at 4 and 8 sessions, the text trace within a run's noise
+    # (docs/bench/notes-2026-12-07d.md).
     drafts_yield_to_prefill: bool = True
     prefill_drafts_min_kept: float = 0.9  # 0: never yield; above 1: every draft yields
     # First-turn lanes (engine/scheduler/lanes.py): a request admitted with more than this many

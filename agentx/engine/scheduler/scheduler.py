@@ -235,11 +235,7 @@ class Scheduler:
         budget.num_chunk_tokens += reserved
         if lanes is not None:
             self._schedule_cold_lane(cold, admit, budget, scheduled)
-        self._add_drafts(
-            budget,
-            scheduled,
-            self.config.drafts_yield_to_prefill and self._computes_prompt(scheduled),
-        )
+        self._add_drafts(budget, scheduled)
 
         output = self._build_output(scheduled)
         self._step_started = None if output.is_empty else self.clock()
@@ -352,19 +348,24 @@ class Scheduler:
         kept = sum(k for k, _ in self._decode_steps) / n
         return kept, sum(r for _, r in self._decode_steps) / n
 
-    def _add_drafts(
-        self, budget: _StepBudget, scheduled: dict[str, _Scheduled], computes_prompt: bool
-    ) -> None:
+    def _add_drafts(self, budget: _StepBudget, scheduled: dict[str, _Scheduled]) -> None:
         """Drafts go last, with what is left of the budget and the free blocks: they never
-        take a block or a token that real tokens of this step need, nor release held KV. In a
-        step that ``computes_prompt`` only requests whose drafts are mostly kept draft."""
+        take a block or a token that real tokens of this step need, nor release held KV. With
+        ``drafts_yield_to_prefill``, in a step that computes prompt tokens only requests whose
+        drafts are mostly kept draft (whether it does is asked once, and only if one would
+        yield)."""
+        weigh = self.config.drafts_yield_to_prefill
+        computes_prompt: bool | None = None
         for rid, item in scheduled.items():
             if budget.num_tokens <= 0:
                 break
-            if computes_prompt and self.get_kept_fraction(item.request) < (
-                self.config.prefill_drafts_min_kept
-            ):
+            if item.request.drafter is None:
                 continue
+            if weigh and self.get_kept_fraction(item.request) < self.config.prefill_drafts_min_kept:
+                if computes_prompt is None:
+                    computes_prompt = self._computes_prompt(scheduled)
+                if computes_prompt:
+                    continue
             drafts = self._propose(item.request, item.num_new, budget)
             if not drafts:
                 continue

@@ -250,7 +250,7 @@ def main() -> None:
             engine.abort(s.request_id)
         runner = engine.core.runner
         shape = step_bounds.model_shape(runner.model, runner.kv_caches)
-        rates = step_bounds.measure_rates(runner.model, runner.num_threads)
+        rates = step_bounds.measure_rates(runner.model, runner.num_threads, kv_dtype=kv_dtype)
     print(
         f"{args.model or 'embedded model'}, quantization={args.quantization}, KV {kv_dtype}"
         f"{' on huge pages' if args.huge_pages else ''}, {DECODERS} request(s) at ~{CONTEXT} tokens"
@@ -278,7 +278,8 @@ def _print_bounds(clock: Clock, shape: step_bounds.ModelShape, rates: step_bound
     print(
         f"\nrates: read {rates.read_bytes / 1e9:.1f} GB/s (torch sum of 1 GiB); linear layers "
         f"{rates.linear_macs / 1e9:.1f} GMAC/s, LM head {rates.lm_head_macs / 1e9:.1f} GMAC/s "
-        f"(the kernels on 256 rows); fp32 FMA {rates.fma_macs / 1e9:.1f} GMAC/s (torch.mm 256^3)"
+        f"(the kernels on 256 rows); attention's {rates.attention_products} products "
+        f"{rates.attention_macs / 1e9:.1f} GMAC/s (torch.mm 512^3)"
     )
     print(
         "| step | component | ms | MB read | GMAC | memory floor ms | compute floor ms | x floor |"

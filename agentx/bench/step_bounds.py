@@ -11,11 +11,15 @@ A step's work, from the model's shapes and the scheduled rows alone::
 
 Rates, measured at the engine's thread count: the read bandwidth (torch summing 1 GiB), the
 linear kernels' and the LM head's multiply-adds a second on 256 rows (compute-bound: each
-weight serves every row), and fp32 FMA from ``torch.mm`` on cache-resident 256 x 256 matrices
-(attention's floor: bf16 KV is read as float32 products on AVX2 and AVX-512F; VDPBF16PS CPUs do
-the score half twice as fast). The memory floor and the compute floor of a step are
-each a lower bound; a step that overlapped its reads and its arithmetic perfectly would take
-the larger.
+weight serves every row), and attention's products from ``torch.mm`` on cache-resident 512 x
+512 matrices of the type its kernel multiplies in: bf16 where a bf16 cache runs the AVX-512
+loops (VDPBF16PS, scores and value sums alike: ``attention_products``), float32 otherwise (AVX2
+and AVX-512 CPUs without BF16 take the same bf16 products as two FMAs; int8 caches' integer
+dot products are counted at the float32 rate too). 512, not 256: under ``OMP_WAIT_POLICY=
+PASSIVE`` (agentx's default) each call wakes torch's threads, which cost 256^3 products a
+quarter of their rate (Zen 4, 2 threads: ~65 against ~85 GMAC/s). The memory floor and the
+compute floor of a step are each a lower bound; a step that overlapped its reads and its
+arithmetic perfectly would take the larger.
 
 This module measures nothing of a step's time and knows nothing about scheduling.
 """
@@ -29,9 +33,11 @@ from functools import partial
 import torch
 from torch import nn
 
+from agentx import kernels
 from agentx.engine.models.attention import PagedAttention
 from agentx.engine.models.layers import ParallelLMHead, QuantizableLinear
 from agentx.errors import ConfigError
+from agentx.kernels.cpu import get_isa
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +83,8 @@ class Rates:
     read_bytes: float
     linear_macs: float
     lm_head_macs: float
-    fma_macs: float
+    attention_macs: float
+    attention_products: str = "fp32"  # "bf16" or "fp32": what attention_macs was measured on
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +181,7 @@ def floors(work: StepWork, rates: Rates) -> Floors:
     return Floors(
         linear=(work.linear_bytes / rates.read_bytes, work.linear_macs / rates.linear_macs),
         lm_head=(work.lm_head_bytes / rates.read_bytes, work.lm_head_macs / rates.lm_head_macs),
-        attention=(work.kv_bytes / rates.read_bytes, work.attention_macs / rates.fma_macs),
+        attention=(work.kv_bytes / rates.read_bytes, work.attention_macs / rates.attention_macs),
     )
 
 
@@ -194,9 +201,28 @@ def read_bandwidth() -> float:
     return _best_rate(buf.numel() * 8, buf.sum, 5)
 
 
-def measure_rates(model: nn.Module, threads: int, rows: int = 256) -> Rates:
+def attention_products(kv_dtype: torch.dtype) -> str:
+    """What the compiled attention multiplies in for a cache of ``kv_dtype`` on this CPU at the
+    kernels' current ISA: "bf16" (VDPBF16PS) or "fp32"."""
+    if kv_dtype != torch.bfloat16 or not kernels.cpu_kernels_enabled():
+        return "fp32"
+    return "bf16" if get_isa() != "avx2" and _cpu_flag("avx512_bf16") else "fp32"
+
+
+def _cpu_flag(name: str) -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and name in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def measure_rates(
+    model: nn.Module, threads: int, rows: int = 256, kv_dtype: torch.dtype = torch.float32
+) -> Rates:
     """This machine's rates at ``threads`` threads (best of several runs each): the read
-    bandwidth, the model's largest linear layer and its LM head on ``rows`` rows, fp32 FMA."""
+    bandwidth, the model's largest linear layer and its LM head on ``rows`` rows, and the
+    products attention takes over a ``kv_dtype`` cache (:func:`attention_products`)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -217,8 +243,16 @@ def measure_rates(model: nn.Module, threads: int, rows: int = 256) -> Rates:
             x = torch.randn(rows, fan_in)
             with torch.no_grad():
                 rates.append(_best_rate(rows * fan_in * out, partial(linear._matmul, x), 5))
-        a, b = torch.randn(256, 256), torch.randn(256, 256)
-        fma = _best_rate(256**3 * 20, lambda: [torch.mm(a, b) for _ in range(20)], 10)
-        return Rates(read_bytes=read, linear_macs=rates[0], lm_head_macs=rates[1], fma_macs=fma)
+        products = attention_products(kv_dtype)
+        dtype = torch.bfloat16 if products == "bf16" else torch.float32
+        a, b = torch.randn(512, 512).to(dtype), torch.randn(512, 512).to(dtype)
+        attention = _best_rate(512**3 * 5, lambda: [torch.mm(a, b) for _ in range(5)], 10)
+        return Rates(
+            read_bytes=read,
+            linear_macs=rates[0],
+            lm_head_macs=rates[1],
+            attention_macs=attention,
+            attention_products=products,
+        )
     finally:
         torch.set_num_threads(saved)

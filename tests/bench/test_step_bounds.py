@@ -10,6 +10,7 @@ from agentx.bench.step_bounds import (
     Rates,
     RowSpan,
     StepWork,
+    attention_products,
     floors,
     mean_work,
     measure_rates,
@@ -17,6 +18,7 @@ from agentx.bench.step_bounds import (
     step_work,
 )
 from agentx.errors import ConfigError
+from agentx.kernels import cpu
 
 # two attention layers of 2 heads x head_dim 4, 16 bytes of K and V a token: one full, one
 # with a sliding window of 3 keys
@@ -69,10 +71,23 @@ def test_floors_divide_each_component_by_its_rate():
         lm_head_bytes=100,
         kv_bytes=500,
     )
-    rates = Rates(read_bytes=100, linear_macs=1000, lm_head_macs=10, fma_macs=64)
+    rates = Rates(read_bytes=100, linear_macs=1000, lm_head_macs=10, attention_macs=64)
     got = floors(work, rates)
     assert got == Floors(linear=(4.0, 2.0), lm_head=(1.0, 3.0), attention=(5.0, 10.0))
     assert (got.memory, got.compute) == (10.0, 15.0)
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the compiled CPU kernels do not build here")
+def test_attention_products_follow_the_kernel_s_loops():
+    # VDPBF16PS only for bf16 caches on the AVX-512 loops of a CPU with AVX512_BF16
+    assert attention_products(torch.float32) == "fp32"
+    assert attention_products(torch.int8) == "fp32"
+    with cpu.use_isa("avx2"):
+        assert attention_products(torch.bfloat16) == "fp32"
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        flags = next(line.split() for line in f if line.startswith("flags"))
+    bf16 = cpu.has_avx512() and "avx512_bf16" in flags
+    assert attention_products(torch.bfloat16) == ("bf16" if bf16 else "fp32")
 
 
 def test_mean_work_is_field_wise_and_refuses_no_steps():
@@ -95,8 +110,11 @@ def test_the_default_model_s_shape(default_engine):
     token = 2 * 3 * 64 * runner.kv_caches[0].element_size()
     assert shape.attention == ((9, 64, None, token),) * 30
     assert 0 < shape.linear_bytes < shape.linear_macs_per_row  # packed: under a byte a weight
-    rates = measure_rates(runner.model, threads=1, rows=8)
-    assert min(rates.read_bytes, rates.linear_macs, rates.lm_head_macs, rates.fma_macs) > 0
+    kv_dtype = runner.kv_caches[0].dtype
+    rates = measure_rates(runner.model, threads=1, rows=8, kv_dtype=kv_dtype)
+    assert min(rates.read_bytes, rates.linear_macs, rates.lm_head_macs, rates.attention_macs) > 0
+    assert rates.attention_products == attention_products(kv_dtype)
+    assert measure_rates(runner.model, threads=1, rows=8).attention_products == "fp32"
 
 
 def test_a_model_without_attention_is_refused():

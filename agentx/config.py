@@ -191,10 +191,11 @@ class SchedulerConfig:
     # price is the slowest decodes at 16+ sessions on text (interactivity P90 5.3 -> 3.3-3.4
     # tok/s at 16, TPGS the same).
     short_turn_tokens: int = 512
-    # True: in a step that computes prompt tokens (a turn prefilled, waiting or chunked) a
-    # request drafts (SpeculativeConfig) only when at least prefill_drafts_min_kept of its
-    # drafts are kept: its own fraction once it has drafted 8 tokens, the engine's recent one
-    # before (engine/scheduler/scheduler.py); the rest give the step's compute to the prompt.
+    # In a step that computes prompt tokens (a turn prefilled, waiting or chunked) a request
+    # drafts (SpeculativeConfig) only when at least this fraction of its drafts are kept: its
+    # own once it has drafted 8 tokens, the engine's recent one before
+    # (engine/scheduler/scheduler.py); the rest give the step's compute to the prompt. 0: every
+    # request drafts there as anywhere; above 1: none does.
     # A draft is nearly free where a step is bound by reading weights; a prefill step on a CPU
     # is bound by its compute, so a rejected draft lengthens it for every decode and for the
     # turn's first token. Yielding every draft (Zen 4, 2 cores) lifted the text trace's
@@ -203,8 +204,7 @@ class SchedulerConfig:
     # sessions (docs/bench/notes-2026-12-07c.md). Weighed at 0.9: the random-id trace 1.05-1.07x
     # TPGS against no yield at 4 and 8 sessions, the text trace within a run's noise
     # (docs/bench/notes-2026-12-07d.md).
-    drafts_yield_to_prefill: bool = True
-    prefill_drafts_min_kept: float = 0.9  # 0: never yield; above 1: every draft yields
+    prefill_drafts_min_kept: float = 0.9
     # First-turn lanes (engine/scheduler/lanes.py): a request admitted with more than this many
     # tokens left to compute after its prefix hit is a cold first turn; while it runs beside
     # warm turns it gets cold_prefill_share of each step's chunk tokens (kept for it, and no
@@ -225,46 +225,30 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check_ints(
             self,
-            ("max_num_batched_tokens", "max_num_seqs", "prefill_schedule_interval"),
+            (
+                "max_num_batched_tokens",
+                "max_num_seqs",
+                "prefill_schedule_interval",
+                "decode_step_min_prefill_tokens",
+            ),
             minimum=1,
         )
-        _check_ints(self, ("decode_step_min_prefill_tokens",), 1)
-        _check_ints(self, ("long_prefill_token_threshold",), 0)
+        _check_ints(
+            self, ("long_prefill_token_threshold", "short_turn_tokens", "cold_prefill_tokens"), 0
+        )
         _check_reals(
             self,
             ("decode_step_target_ms", "step_cost_base_ms", "step_cost_request_ms"),
             minimum=0,
         )
         _check_reals(self, ("step_cost_token_ms", "prefill_drafts_min_kept"), 0)
-        for name in (
-            "max_num_batched_tokens",
-            "max_num_seqs",
-            "prefill_schedule_interval",
-            "decode_step_min_prefill_tokens",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("decode_step_target_ms", "step_cost_base_ms", "step_cost_request_ms"):
-            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if not isinstance(self.short_turn_tokens, int) or self.short_turn_tokens < 0:
-            raise ConfigError(
-                f"short_turn_tokens must be an int >= 0, got {self.short_turn_tokens!r}"
-            )
-        if not math.isfinite(self.step_cost_token_ms) or self.step_cost_token_ms <= 0:
+        if self.step_cost_token_ms <= 0:
             raise ConfigError(f"step_cost_token_ms must be positive, got {self.step_cost_token_ms}")
-        if not isinstance(self.cold_prefill_tokens, int) or self.cold_prefill_tokens < 0:
-            raise ConfigError(
-                f"cold_prefill_tokens must be an int >= 0 (0: no lanes), got "
-                f"{self.cold_prefill_tokens!r}"
-            )
         share = self.cold_prefill_share
         if not (isinstance(share, float | int) and 0 < share < 1):
             raise ConfigError(
                 f"cold_prefill_share must be in (0, 1), got {self.cold_prefill_share!r}"
             )
-        if self.long_prefill_token_threshold < 0:
-            raise ConfigError("long_prefill_token_threshold must be >= 0 (0 disables it)")
         if self.policy not in _POLICIES:
             raise ConfigError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
         if self.step_cost_model not in _STEP_COST_MODELS:

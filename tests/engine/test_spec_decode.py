@@ -416,7 +416,7 @@ def test_a_drafted_position_the_budget_forces_is_sampled_again(default_engine):
     backend = default_engine.core._grammar_backend()
     tok = default_engine.tokenizer
     a, c = (tok.encode(x, add_special_tokens=False)[0] for x in "ac")
-    s = make_scheduler(drafts_yield_to_prefill=False)  # drafts beside its own prefill
+    s = make_scheduler(prefill_drafts_min_kept=0)  # drafts beside its own prefill
     # "a"s, then "c": the shortest output is "c", and 2 tokens leave slack for one "a"
     grammar = backend.new_matcher(StructuredOutput(regex="a{0,10}c"), max_tokens=2)
     req = make_request("g", [a] * 6, max_tokens=2, grammar=grammar)  # its context: "a"s
@@ -465,15 +465,17 @@ def test_constrained_greedy_identical_with_drafts(make_engine, call_prompt, max_
         assert on[0].stop_reason == "grammar_budget"
 
 
-@pytest.mark.parametrize("yield_", [True, False])
-def test_drafts_yield_while_a_prefill_is_chunked(yield_):
+@pytest.mark.parametrize("min_kept", [0.9, 0.0])
+def test_drafts_yield_while_a_prefill_is_chunked(min_kept):
     # the fixed prior (45 ms + 1.9 ms a token + 5 ms a request) at the 200 ms target leaves
-    # floor((200 - 45 - 1.9 - 10) / 1.9) = 75 tokens for "b" beside "a"'s decode; with
-    # drafts_yield_to_prefill "a" drafts only once no step computes "b"'s prompt ("b", 100
-    # tokens, is clipped to the share as any turn with short_turn_tokens=0)
+    # floor((200 - 45 - 1.9 - 10) / 1.9) = 75 tokens for "b" beside "a"'s decode; nothing
+    # verified yet, "a" keeps 0 of its drafts as far as the engine knows, so at 0.9 it drafts
+    # only once no step computes "b"'s prompt ("b", 100 tokens, is clipped to the share as any
+    # turn with short_turn_tokens=0); at 0 it drafts beside it
+    yield_ = min_kept > 0
     s = make_scheduler(
         num_blocks=60,
-        drafts_yield_to_prefill=yield_,
+        prefill_drafts_min_kept=min_kept,
         step_cost_model="fixed",
         short_turn_tokens=0,
     )
@@ -503,8 +505,8 @@ def test_drafts_yield_while_a_prefill_is_chunked(yield_):
 
 
 def test_a_request_whose_drafts_are_kept_drafts_beside_a_prefill():
-    # drafts_yield_to_prefill (the default) weighs the kept fraction: before a request has
-    # drafted 8 tokens the engine's recent one, then its own (prefill_drafts_min_kept 0.9)
+    # the default weighs the kept fraction: before a request has drafted 8 tokens the
+    # engine's recent one, then its own (prefill_drafts_min_kept 0.9)
     s = make_scheduler(
         num_blocks=60, step_cost_model="fixed", short_turn_tokens=0, long_prefill_token_threshold=64
     )

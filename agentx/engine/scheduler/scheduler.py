@@ -350,18 +350,18 @@ class Scheduler:
 
     def _add_drafts(self, budget: _StepBudget, scheduled: dict[str, _Scheduled]) -> None:
         """Drafts go last, with what is left of the budget and the free blocks: they never
-        take a block or a token that real tokens of this step need, nor release held KV. With
-        ``drafts_yield_to_prefill``, in a step that computes prompt tokens only requests whose
-        drafts are mostly kept draft (whether it does is asked once, and only if one would
-        yield)."""
-        weigh = self.config.drafts_yield_to_prefill
+        take a block or a token that real tokens of this step need, nor release held KV. In a
+        step that computes prompt tokens only requests that keep at least
+        ``prefill_drafts_min_kept`` of their drafts draft (whether it does is asked once, and
+        only if one would yield)."""
+        min_kept = self.config.prefill_drafts_min_kept
         computes_prompt: bool | None = None
         for rid, item in scheduled.items():
             if budget.num_tokens <= 0:
                 break
             if item.request.drafter is None:
                 continue
-            if weigh and self.get_kept_fraction(item.request) < self.config.prefill_drafts_min_kept:
+            if min_kept > 0 and self.get_kept_fraction(item.request) < min_kept:
                 if computes_prompt is None:
                     computes_prompt = self._computes_prompt(scheduled)
                 if computes_prompt:

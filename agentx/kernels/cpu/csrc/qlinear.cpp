@@ -260,13 +260,17 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   const float* sxp = sx;
   // AVX-512: pairs of tiles (an odd last tile below, with AVX2's tile: the same arithmetic)
   const bool wide = kernel_isa(-1) >= kIsaAvx512;
-  int8_t* xu = nullptr;
+  int32_t* xsum = nullptr;  // int8's: 128 * each group's sum of xq (qlinear_avx512.cpp)
   if (wide && !int4) {
-    xu = scratch.take<int8_t>(m * k);
-    for (int64_t i = 0; i < m * k; ++i) xu[i] = static_cast<int8_t>(xq[i] ^ 0x80);
+    xsum = scratch.take<int32_t>(m * groups);
+    for (int64_t rg = 0; rg < m * groups; ++rg) {
+      int32_t s = 0;
+      for (int64_t i = 0; i < kGroup; ++i) s += xq[rg * kGroup + i];
+      xsum[rg] = 128 * s;
+    }
   }
   const int64_t pairs = wide ? tiles / 2 : 0;
-  const int8_t* xwide = int4 ? xqp : xu;
+  const int32_t* xsump = xsum;
   // AVX2's int4 tiles take 6 rows a pass over their weights (Zen 2, one 576 x 1536 layer's
   // tiles: 78.6 GMAC/s a thread against 71.4 with 4 rows; int8 tiles run as fast with 4)
   const int64_t single_rows = int4 ? kRowsInt4 : kRows;
@@ -294,7 +298,8 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
         float* out[kRowsWide];
         for (int64_t r = 0; r < rows; ++r) out[r] = y + (r0 + r) * ldy + 2 * b0 * kTile;
         quantized_tiles_avx512(rows, 2 * b0, 2 * b1, int4, wp, tile_bytes, sp, mp,
-                               xwide + r0 * k, dxp + r0 * groups, sxp + r0 * groups, k, out,
+                               xqp + r0 * k, dxp + r0 * groups, sxp + r0 * groups,
+                               xsump ? xsump + r0 * groups : nullptr, k, out,
                                r0 == 0 && one_block);
       }
     }

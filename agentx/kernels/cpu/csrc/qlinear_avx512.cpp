@@ -9,8 +9,10 @@
 //   zmm lanes 8..15 = tile t+1  (columns 8t + 8 .. 8t + 15)
 //
 // vpdpbusd multiplies unsigned by signed bytes. int4 weights are unsigned (0..15) and the
-// activations signed; int8 weights are signed, so the activations go in offset by 128
-// (xq ^ 0x80 as unsigned) and 128 * sum(w) of the group comes off the integer sum again.
+// activations signed; int8 weights are signed, so they go in offset by 128 (w ^ 0x80 as
+// unsigned: one XOR a load) and 128 * sum(x) of the row's group, computed once a call, comes off
+// the integer sum again: the same exact integer dot. (Offsetting the activations instead needs
+// 128 * sum(w) of every column: a vpdpbusd a load, a fifth of the multiplies at 4 rows a pass.)
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
@@ -109,11 +111,11 @@ AGENTX_AVX512 void pairs_int4(const uint8_t* w, int64_t tile_bytes, const float*
   }
 }
 
-// R rows x C pairs of tiles, int8 weights; xu: the activations ^ 0x80 (unsigned, +128).
+// R rows x C pairs of tiles, int8 weights; xsum: 128 * the sum of each row's group of xq.
 template <int R, int C>
 AGENTX_AVX512 void pairs_int8(const uint8_t* w, int64_t tile_bytes, const float* scale,
-                              int64_t tile_floats, const int8_t* xu, const float* dx, int64_t k,
-                              float* const* out, const Ahead* ahead) {
+                              int64_t tile_floats, const int8_t* xq, const int32_t* xsum,
+                              const float* dx, int64_t k, float* const* out, const Ahead* ahead) {
   const int64_t groups = k / kGroup;
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R][C];
@@ -122,26 +124,26 @@ AGENTX_AVX512 void pairs_int8(const uint8_t* w, int64_t tile_bytes, const float*
   }
   for (int64_t g = 0; g < groups; ++g) {
     if (ahead != nullptr) ahead->step(g);
-    __m512i isum[R][C], wsum[C];
-    for (int c = 0; c < C; ++c) {
-      wsum[c] = _mm512_setzero_si512();
-      for (int r = 0; r < R; ++r) isum[r][c] = _mm512_setzero_si512();
+    __m512i isum[R][C];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) isum[r][c] = _mm512_setzero_si512();
     }
     for (int u = 0; u < 8; ++u) {
-      __m512i wq[C];
+      __m512i wu[C];  // w + 128, unsigned
       for (int c = 0; c < C; ++c) {
-        wq[c] = load_pair(w + 2 * c * tile_bytes + (g * 8 + u) * 32, tile_bytes);
-        wsum[c] = _mm512_dpbusd_epi32(wsum[c], offset, wq[c]);  // 128 * sum(w)
+        wu[c] = _mm512_xor_si512(
+            load_pair(w + 2 * c * tile_bytes + (g * 8 + u) * 32, tile_bytes), offset);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xb = bcast4_avx512(xu + r * k + g * kGroup + u * 4);
-        for (int c = 0; c < C; ++c) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], xb, wq[c]);
+        const __m512i xb = bcast4_avx512(xq + r * k + g * kGroup + u * 4);
+        for (int c = 0; c < C; ++c) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], wu[c], xb);
       }
     }
     for (int c = 0; c < C; ++c) {
       const __m512 d = load_pair_ps(scale + 2 * c * tile_floats + g * kTile, tile_floats);
       for (int r = 0; r < R; ++r) {
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][c], wsum[c]));
+        const __m512i sum = _mm512_set1_epi32(xsum[r * groups + g]);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][c], sum));
         acc[r][c] =
             _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(dx[r * groups + g])), acc[r][c]);
       }
@@ -155,40 +157,32 @@ AGENTX_AVX512 void pairs_int8(const uint8_t* w, int64_t tile_bytes, const float*
 template <int R, int C>
 AGENTX_AVX512 void run_pairs(bool int4, const uint8_t* w, int64_t tile_bytes, const float* scale,
                              const float* mins, int64_t tile_floats, const int8_t* xq,
-                             const float* dx, const float* sx, int64_t k, float* const* out,
-                             const Ahead* ahead) {
+                             const float* dx, const float* sx, const int32_t* xsum, int64_t k,
+                             float* const* out, const Ahead* ahead) {
   if (int4) {
     pairs_int4<R, C>(w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
   } else {
-    pairs_int8<R, C>(w, tile_bytes, scale, tile_floats, xq, dx, k, out, ahead);
+    pairs_int8<R, C>(w, tile_bytes, scale, tile_floats, xq, xsum, dx, k, out, ahead);
   }
 }
 
 template <int C>
 AGENTX_AVX512 void run_rows(int64_t rows, bool int4, const uint8_t* w, int64_t tile_bytes,
                             const float* scale, const float* mins, int64_t tile_floats,
-                            const int8_t* xq, const float* dx, const float* sx, int64_t k,
-                            float* const* out, const Ahead* ahead) {
+                            const int8_t* xq, const float* dx, const float* sx,
+                            const int32_t* xsum, int64_t k, float* const* out,
+                            const Ahead* ahead) {
+#define AGENTX_RUN_PAIRS(R) \
+  run_pairs<R, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, xsum, k, out, ahead)
   switch (rows) {
-    case 6:
-      run_pairs<6, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
-      break;
-    case 5:
-      run_pairs<5, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
-      break;
-    case 4:
-      run_pairs<4, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
-      break;
-    case 3:
-      run_pairs<3, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
-      break;
-    case 2:
-      run_pairs<2, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
-      break;
-    default:
-      run_pairs<1, C>(int4, w, tile_bytes, scale, mins, tile_floats, xq, dx, sx, k, out, ahead);
-      break;
+    case 6: AGENTX_RUN_PAIRS(6); break;
+    case 5: AGENTX_RUN_PAIRS(5); break;
+    case 4: AGENTX_RUN_PAIRS(4); break;
+    case 3: AGENTX_RUN_PAIRS(3); break;
+    case 2: AGENTX_RUN_PAIRS(2); break;
+    default: AGENTX_RUN_PAIRS(1); break;
   }
+#undef AGENTX_RUN_PAIRS
 }
 
 }  // namespace
@@ -203,13 +197,14 @@ bool cpu_has_avx512_vnni() {
 }
 
 // Tiles [t0, t1) of y rows [r0, r0 + rows) (rows <= kRowsWide); out[r]: row r's first column
-// of the tile t0 (16 (t1 - t0) / 2 floats). t1 - t0 is even. xq: signed activations for int4
-// and offset ones (xq ^ 0x80) for int8.
+// of the tile t0 (16 (t1 - t0) / 2 floats). t1 - t0 is even. xsum (int8 only): 128 times the
+// sum of each (row, group) of xq.
 AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, bool int4,
                                           const uint8_t* w, int64_t tile_bytes,
                                           const float* scale, const float* mins,
                                           const int8_t* xq, const float* dx, const float* sx,
-                                          int64_t k, float* const* out, bool fetch_ahead) {
+                                          const int32_t* xsum, int64_t k, float* const* out,
+                                          bool fetch_ahead) {
   const int64_t groups = k / kGroup, tile_floats = groups * kTile;
   float* o[qlinear::kRowsWide];
   // with fetch_ahead: tiles [t + n, t + n + 4) (or fewer at the end) while [t, t + n) are read
@@ -234,14 +229,14 @@ AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, 
     for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;
     Ahead a;
     run_rows<2>(rows, int4, w + t * tile_bytes, tile_bytes, scale + t * tile_floats,
-                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, k, o,
+                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, xsum, k, o,
                 ahead_of(t, 4, &a));
   }
   for (; t < t1; t += 2) {
     for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;
     Ahead a;
     run_rows<1>(rows, int4, w + t * tile_bytes, tile_bytes, scale + t * tile_floats,
-                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, k, o,
+                mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, xsum, k, o,
                 ahead_of(t, 2, &a));
   }
 }

@@ -7,10 +7,15 @@ are ``--block-bytes`` apart in memory, 12,288 for SmolLM2's bf16 blocks of 16 to
 int8's), so this read is the memory bound such a kernel can reach on this machine, where
 ``step_profile.py``'s floor is a contiguous read (``torch.sum`` of 1 GiB). Each thread reads a
 contiguous share of the block list, every 64-byte line of a block once, and prefetches the block
-``--ahead`` places further (0: none). Prints GB/s, the best of --rounds.
+``--ahead`` places further (0: none), a line beside each line it reads, with ``--hint`` (t1, the
+attention kernel's, by default: into L2; t0, t2, nta; or "pages": only the first two lines of
+each 4 KB page the block spans, for the hardware prefetcher to follow). ``--huge-pages`` puts
+the pool on transparent huge pages (``CacheConfig.huge_pages``). Prints GB/s, the best of
+--rounds.
 
     python benchmarks/kv_read_bench.py                          # bf16 blocks, 1 and 2 threads
     python benchmarks/kv_read_bench.py --block-bytes 6528 --ahead 0 1 2 4
+    python benchmarks/kv_read_bench.py --threads 2 --hint t1 t2 t0 nta pages --huge-pages
 
 The reader is compiled at first run (``torch.utils.cpp_extension``, about a minute).
 """
@@ -23,6 +28,10 @@ import time
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from agentx.engine.runner.kv_layout import allocate_zeroed
+
+HINTS = {"t0": 0, "t1": 1, "t2": 2, "nta": 3, "pages": 4}
+
 SOURCE = r"""
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -30,9 +39,10 @@ SOURCE = r"""
 
 // Every 64-byte line of blocks order[0..n) (block_bytes each, block b at pool + b * block_bytes),
 // `threads` threads a contiguous share of the list each; block i + ahead prefetched while block
-// i is read.
+// i is read: a line a line read with hint 0 (T0), 1 (T1), 2 (T2) or 3 (NTA); with hint 4 only
+// the first two lines of each 4 KB page of it, at the block's start.
 int64_t read_blocks(torch::Tensor pool, torch::Tensor order, int64_t block_bytes, int64_t ahead,
-                    int64_t threads) {
+                    int64_t threads, int64_t hint) {
   const char* base = static_cast<const char*>(pool.data_ptr());
   const int64_t* o = order.data_ptr<int64_t>();
   const int64_t n = order.numel();
@@ -45,8 +55,24 @@ int64_t read_blocks(torch::Tensor pool, torch::Tensor order, int64_t block_bytes
     for (int64_t b = b0; b < b1; ++b) {
       const char* p = base + o[b] * block_bytes;
       const char* next = ahead > 0 && b + ahead < b1 ? base + o[b + ahead] * block_bytes : nullptr;
+      if (next != nullptr && hint == 4) {
+        const uintptr_t end = reinterpret_cast<uintptr_t>(next) + block_bytes;
+        for (uintptr_t q = reinterpret_cast<uintptr_t>(next); q < end;
+             q = (q & ~uintptr_t{4095}) + 4096) {
+          _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T1);
+          if (q + 64 < end) _mm_prefetch(reinterpret_cast<const char*>(q + 64), _MM_HINT_T1);
+        }
+        next = nullptr;
+      }
       for (int64_t off = 0; off + 64 <= block_bytes; off += 64) {
-        if (next != nullptr) _mm_prefetch(next + off, _MM_HINT_T1);
+        if (next != nullptr) {
+          switch (hint) {
+            case 0: _mm_prefetch(next + off, _MM_HINT_T0); break;
+            case 2: _mm_prefetch(next + off, _MM_HINT_T2); break;
+            case 3: _mm_prefetch(next + off, _MM_HINT_NTA); break;
+            default: _mm_prefetch(next + off, _MM_HINT_T1);
+          }
+        }
         const __m256i* line = reinterpret_cast<const __m256i*>(p + off);
         acc = _mm256_add_epi32(acc, _mm256_loadu_si256(line));
         acc = _mm256_add_epi32(acc, _mm256_loadu_si256(line + 1));
@@ -69,6 +95,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--ahead", type=int, nargs="*", default=[0, 2])
+    parser.add_argument("--hint", nargs="*", choices=list(HINTS), default=["t1"])
+    parser.add_argument("--huge-pages", action="store_true", help="the pool on 2 MiB pages")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     reader = load_inline(
@@ -79,29 +107,33 @@ def main() -> None:
         extra_ldflags=["-fopenmp"],
     )
     blocks = args.requests * (args.context // 16 + 1) * args.layers
-    pool = torch.randint(0, 100, (blocks * args.block_bytes // 4,), dtype=torch.int32)
+    pool = allocate_zeroed(blocks, args.block_bytes, torch.device("cpu"), args.huge_pages)
+    pool.view(torch.int32).copy_(torch.randint(0, 100, (blocks, args.block_bytes // 4)))
     orders = {
         "random": torch.randperm(blocks, generator=torch.Generator().manual_seed(0)),
         "in order": torch.arange(blocks),
     }
     nbytes = blocks * (args.block_bytes // 64 * 64)
-    print(f"{nbytes / 1e6:.0f} MB in {blocks} blocks of {args.block_bytes} bytes")
-    print("| blocks | threads | ahead | GB/s | ms |")
-    print("|---|---|---|---|---|")
+    pages = " on huge pages" if args.huge_pages else ""
+    print(f"{nbytes / 1e6:.0f} MB in {blocks} blocks of {args.block_bytes} bytes{pages}")
+    print("| blocks | threads | ahead | hint | GB/s | ms |")
+    print("|---|---|---|---|---|---|")
     for name, order in orders.items():
         for threads in args.threads:
             for ahead in args.ahead:
-                reader.read_blocks(pool, order, args.block_bytes, ahead, threads)
-                best = float("inf")
-                for _ in range(args.rounds):
-                    start = time.perf_counter()
-                    reader.read_blocks(pool, order, args.block_bytes, ahead, threads)
-                    best = min(best, time.perf_counter() - start)
-                print(
-                    f"| {name} | {threads} | {ahead} | {nbytes / best / 1e9:.1f} | "
-                    f"{best * 1e3:.1f} |",
-                    flush=True,
-                )
+                for hint in args.hint if ahead > 0 else ["-"]:
+                    run = (pool, order, args.block_bytes, ahead, threads, HINTS.get(hint, 1))
+                    reader.read_blocks(*run)
+                    best = float("inf")
+                    for _ in range(args.rounds):
+                        start = time.perf_counter()
+                        reader.read_blocks(*run)
+                        best = min(best, time.perf_counter() - start)
+                    print(
+                        f"| {name} | {threads} | {ahead} | {hint} | {nbytes / best / 1e9:.1f} | "
+                        f"{best * 1e3:.1f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -42,10 +42,10 @@ int64_t kernel_isa(int64_t set);
 bool cpu_has_avx512_vnni();
 bool cpu_has_amx();  // AMX-TILE and AMX-INT8, and the OS lets this process use them
 
-// AVX-512 VNNI tiles [t0, t1) (an even count) of up to 4 rows (qlinear_avx512.cpp); out[r]
-// points at row r's column 8 t0. The same arithmetic as qlinear.cpp's AVX2 tiles. xsum (int8
-// weights; null for int4): 128 times each (row, group)'s sum of xq. fetch_ahead: bring each
-// next four tiles' weights into the caches while these are read.
+// AVX-512 VNNI tiles [t0, t1) (an even count) of up to kRowsWide (6) rows (qlinear_avx512.cpp);
+// out[r] points at row r's column 8 t0. The same arithmetic as qlinear.cpp's AVX2 tiles. xsum
+// (int8 weights; null for int4): 128 times each (row, group)'s sum of xq. fetch_ahead: bring
+// each next four tiles' weights into the caches while these are read.
 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, bool int4, const uint8_t* w,
                             int64_t tile_bytes, const float* scale, const float* mins,
                             const int8_t* xq, const float* dx, const float* sx,

@@ -4,6 +4,7 @@ and on the default model."""
 import pytest
 import torch
 
+from agentx import kernels
 from agentx.bench.step_bounds import (
     Floors,
     ModelShape,
@@ -86,7 +87,7 @@ def test_attention_products_follow_the_kernel_s_loops():
         assert attention_products(torch.bfloat16) == "fp32"
     with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
         flags = next(line.split() for line in f if line.startswith("flags"))
-    bf16 = cpu.has_avx512() and "avx512_bf16" in flags
+    bf16 = kernels.cpu_kernels_enabled() and cpu.has_avx512() and "avx512_bf16" in flags
     assert attention_products(torch.bfloat16) == ("bf16" if bf16 else "fp32")
 
 

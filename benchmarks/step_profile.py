@@ -239,10 +239,7 @@ def main() -> None:
         kv_dtype = caches[0].dtype
         # the read rate before the steps too: other tenants' traffic moves it within minutes, and
         # the floor takes the better of the two (the machine's rate, not the minute's)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(engine.core.runner.num_threads)
-        read_before = step_bounds.read_bandwidth()
-        torch.set_num_threads(threads)
+        read_before = step_bounds.read_bandwidth(engine.core.runner.num_threads)
         install(clock, stages)
         rng = random.Random(0)
         long = SamplingParams(max_tokens=10_000, ignore_eos=True)

@@ -37,7 +37,7 @@ from agentx import kernels
 from agentx.engine.models.attention import PagedAttention
 from agentx.engine.models.layers import ParallelLMHead, QuantizableLinear
 from agentx.errors import ConfigError
-from agentx.kernels.cpu import get_isa
+from agentx.kernels.cpu import attention_bf16_products
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,11 +194,17 @@ def _best_rate(amount: float, run, reps: int) -> float:
     return amount / best
 
 
-def read_bandwidth() -> float:
-    """Bytes a second of summing a 1 GiB int64 buffer with torch at the current thread count,
-    best of 5."""
-    buf = torch.ones(1 << 27, dtype=torch.int64)
-    return _best_rate(buf.numel() * 8, buf.sum, 5)
+def read_bandwidth(threads: int | None = None) -> float:
+    """Bytes a second of summing a 1 GiB int64 buffer with torch at ``threads`` threads (None:
+    the current count), best of 5."""
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(1 << 27, dtype=torch.int64)
+        return _best_rate(buf.numel() * 8, buf.sum, 5)
+    finally:
+        torch.set_num_threads(saved)
 
 
 def attention_products(kv_dtype: torch.dtype) -> str:
@@ -206,15 +212,7 @@ def attention_products(kv_dtype: torch.dtype) -> str:
     kernels' current ISA: "bf16" (VDPBF16PS) or "fp32"."""
     if kv_dtype != torch.bfloat16 or not kernels.cpu_kernels_enabled():
         return "fp32"
-    return "bf16" if get_isa() != "avx2" and _cpu_flag("avx512_bf16") else "fp32"
-
-
-def _cpu_flag(name: str) -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return any(line.startswith("flags") and name in line.split() for line in f)
-    except OSError:
-        return False
+    return "bf16" if attention_bf16_products() else "fp32"
 
 
 def measure_rates(

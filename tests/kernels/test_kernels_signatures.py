@@ -62,6 +62,7 @@ CPU_CONTROLS = {
     "FusedLayerStack",
     "FusedLayerWeights",
     "FusedLinear",
+    "attention_bf16_products",
     "available",
     "get_build_dir",
     "get_isa",

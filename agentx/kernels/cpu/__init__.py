@@ -21,6 +21,7 @@ __all__ = [
     "FusedLayerWeights",
     "FusedLinear",
     "argmax_rows",
+    "attention_bf16_products",
     "available",
     "fused_decoder_layer",
     "fused_decoder_layers",
@@ -55,6 +56,12 @@ def isas() -> list[str]:
 def has_avx512() -> bool:
     """Whether this CPU runs the AVX-512 VNNI kernels."""
     return "avx512" in isas()
+
+
+def attention_bf16_products() -> bool:
+    """Whether the attention over a bf16 cache multiplies with VDPBF16PS at the current ISA
+    (AVX-512 with AVX512_BF16; elsewhere two FMAs a pair, the same bits)."""
+    return bool(torch.ops.agentx.attention_bf16_products())
 
 
 def has_amx() -> bool:

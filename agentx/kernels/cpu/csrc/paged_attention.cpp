@@ -637,6 +637,10 @@ bool cpu_has_avx512_bf16() {
   return has;
 }
 
+// Whether bf16 caches take the AVX-512 loops (VDPBF16PS) at the kernels' current ISA; the AVX2
+// loops, elsewhere, give the same bits with two FMAs a pair
+bool bf16_wide_loops() { return kernel_isa(-1) >= kIsaAvx512 && cpu_has_avx512_bf16(); }
+
 // d floats already rounded to bf16 (a multiple of 32) as bf16: exact
 AGENTX_AVX512BF16 void to_bf16(const float* src, int64_t d, at::BFloat16* dst) {
   for (int64_t c = 0; c < d; c += 32) {
@@ -2142,10 +2146,7 @@ void run_rows(const float* q, const T* cache, int64_t block_stride, const int64_
               int64_t rows, int64_t heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t block_size, int64_t window, float scale, float* out) {
   TileFn<T> fn = tile_fn<T, false>(head_dim);
-  // bf16 caches take the AVX-512 loops where the CPU has VDPBF16PS (the AVX2 loops give the
-  // same bits)
-  if (kernel_isa(-1) >= kIsaAvx512 &&
-      (!std::is_same_v<T, at::BFloat16> || cpu_has_avx512_bf16())) {
+  if (std::is_same_v<T, at::BFloat16> ? bf16_wide_loops() : kernel_isa(-1) >= kIsaAvx512) {
     fn = tile_fn<T, true>(head_dim);
   }
   TORCH_CHECK(fn != nullptr, "paged attention: head_dim must be 64, 128 or 256");
@@ -2342,6 +2343,8 @@ TORCH_LIBRARY_FRAGMENT(agentx, lib) {
       "paged_attention_rows(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor token_req, "
       "Tensor token_len, float scale, int window) -> Tensor");
   lib.impl("paged_attention_rows", c10::DispatchKey::CPU, &paged_attention_rows);
+  // whether a bf16 cache's attention multiplies with VDPBF16PS here (benchmarks' floors)
+  lib.def("attention_bf16_products() -> bool", &bf16_wide_loops);
 }
 
 }  // namespace agentx

@@ -82,8 +82,9 @@ inline __m256 hmax8x8(const __m256* m) {
                        _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
-// n consecutive groups (x: 32 n floats; xq, dx, sx: those groups' places)
-void quantize_run(const float* x, int64_t n, int8_t* xq, float* dx, float* sx) {
+// n consecutive groups (x: 32 n floats; xq, dx, sx and, unless null, xsum (128 x each group's
+// sum of xq: the AVX-512 int8 tiles') at those groups' places)
+void quantize_run(const float* x, int64_t n, int8_t* xq, float* dx, float* sx, int32_t* xsum) {
   const __m256 steps = _mm256_set1_ps(127.f);
   for (int64_t i = 0; i < n; i += 8) {
     const int64_t m = std::min<int64_t>(8, n - i);
@@ -114,7 +115,9 @@ void quantize_run(const float* x, int64_t n, int8_t* xq, float* dx, float* sx) {
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-      totals[u] = static_cast<float>(_mm_cvtsi128_si32(s4));
+      const int32_t total = _mm_cvtsi128_si32(s4);
+      totals[u] = static_cast<float>(total);
+      if (xsum != nullptr) xsum[i + u] = 128 * total;
     }
     for (int64_t u = 0; u < m; ++u) {
       dx[i + u] = ds[u];
@@ -123,12 +126,13 @@ void quantize_run(const float* x, int64_t n, int8_t* xq, float* dx, float* sx) {
   }
 }
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx, float* sx) {
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* xq, float* dx, float* sx,
+                   int32_t* xsum) {
   const int64_t groups = k / kGroup;
   parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     const int64_t first = begin * groups;
     quantize_run(x + first * kGroup, (end - begin) * groups, xq + first * kGroup, dx + first,
-                 sx + first);
+                 sx + first, xsum != nullptr ? xsum + first : nullptr);
   });
 }
 
@@ -249,8 +253,12 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   int8_t* xq = scratch.take<int8_t>(m * k);
   float* dx = scratch.take<float>(m * groups);
   float* sx = scratch.take<float>(m * groups);
-  quantize_rows(x, m, k, xq, dx, sx);
   const bool int4 = bits == 4;
+  // AVX-512: pairs of tiles (an odd last tile below, with AVX2's tile: the same arithmetic)
+  const bool wide = kernel_isa(-1) >= kIsaAvx512;
+  // int8's: 128 * each group's sum of xq (qlinear_avx512.cpp)
+  int32_t* xsum = wide && !int4 ? scratch.take<int32_t>(m * groups) : nullptr;
+  quantize_rows(x, m, k, xq, dx, sx, xsum);
   const int64_t tile_bytes = qlinear::tile_bytes(int4, k);
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(qweight.data_ptr());
   const float* sp = scale.data_ptr<float>();
@@ -258,17 +266,6 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   const int8_t* xqp = xq;
   const float* dxp = dx;
   const float* sxp = sx;
-  // AVX-512: pairs of tiles (an odd last tile below, with AVX2's tile: the same arithmetic)
-  const bool wide = kernel_isa(-1) >= kIsaAvx512;
-  int32_t* xsum = nullptr;  // int8's: 128 * each group's sum of xq (qlinear_avx512.cpp)
-  if (wide && !int4) {
-    xsum = scratch.take<int32_t>(m * groups);
-    for (int64_t rg = 0; rg < m * groups; ++rg) {
-      int32_t s = 0;
-      for (int64_t i = 0; i < kGroup; ++i) s += xq[rg * kGroup + i];
-      xsum[rg] = 128 * s;
-    }
-  }
   const int64_t pairs = wide ? tiles / 2 : 0;
   const int32_t* xsump = xsum;
   // AVX2's int4 tiles take 6 rows a pass over their weights (Zen 2, one 576 x 1536 layer's

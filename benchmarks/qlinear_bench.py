@@ -11,7 +11,13 @@ the GGUF stores it). Prints the best of --rounds timed calls; 2 M N K flops a ca
     python benchmarks/qlinear_bench.py --rows 1,8,16,64 --from-memory   # as in a decode step
 
 ``--from-memory`` reads 256 MB (more than any L3 here) before each timed call, so the call's
-weights come from memory, as they do in a step that runs 30 layers' weights through the caches.
+weights come from memory (and its threads, asleep by then, wake up). ``--layers N`` runs the
+four layer projections of N layers, each its own random weights, in a decode step's order
+(qkv, o, gate_up, down, then the next layer) at each M, and prints each shape's milliseconds
+summed over the N layers (the best of --rounds passes): at N = 30 the weights (80 MB) cycle
+through the caches as a step's do, with the threads kept awake between calls.
+
+    python benchmarks/qlinear_bench.py --rows 8 --layers 30      # a decode step's GEMMs
 
 Before/after comparisons run this file against another checkout's ``agentx``
 (``PYTHONPATH=/path/to/other/checkout python benchmarks/qlinear_bench.py``), alternated.
@@ -26,6 +32,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -52,11 +59,20 @@ def main() -> None:
         action="store_true",
         help="read 256 MB before each timed call: the weights come from memory, not the caches",
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="the four layer projections of this many layers in a step's order (no LM head)",
+    )
     args = parser.parse_args()
     if not cpu.available():
         raise SystemExit("the compiled CPU kernels are unavailable here")
     clock, rows = timing_setup(args)
     print(header(args.threads, cpu.get_isa()))
+    if args.layers > 0:
+        step_order(args.layers, rows, args.rounds, clock)
+        return
     print("| shape | bits | N x K | M | ms | GFLOP/s |")
     print("|---|---|---|---|---|---|")
     op = torch.ops.agentx.quantized_linear
@@ -72,6 +88,33 @@ def main() -> None:
                 f"| {name} | {bits} | {n} x {k} | {m} | {best * 1e3:.2f} "
                 f"| {2 * m * n * k / best / 1e9:.1f} |"
             )
+
+
+def step_order(layers: int, rows: list[int], rounds: int, clock: Callable[[], float]) -> None:
+    """--layers: each layer projection's time summed over `layers` layers run in step order."""
+    op = torch.ops.agentx.quantized_linear
+    gen = torch.Generator().manual_seed(1)
+    shapes = SHAPES[:4]
+    weights = []
+    for _ in range(layers):
+        for _name, bits, n, k in shapes:
+            q, scale, mins = quant.quantize_weight(torch.randn(n, k, generator=gen), bits)
+            weights.append((quant.pack_weight(q, scale, mins, bits), bits))
+    print(f"ms summed over {layers} layers")
+    print(f"| M | {' | '.join(name for name, *_ in shapes)} | all |")
+    print("|---|" + "---|" * (len(shapes) + 1))
+    for m in rows:
+        xs = [torch.randn(m, k, generator=gen) for _name, _bits, _n, k in shapes]
+        best = [float("inf")] * len(shapes)
+        for _ in range(rounds + 1):  # the first pass warms up
+            spent = [0.0] * len(shapes)
+            for i, (packed, bits) in enumerate(weights):
+                start = clock()
+                op(xs[i % len(shapes)], *packed, None, bits)
+                spent[i % len(shapes)] += clock() - start
+            best = [min(b, s) for b, s in zip(best, spent, strict=True)]
+        cells = " | ".join(f"{b * 1e3:.2f}" for b in best)
+        print(f"| {m} | {cells} | {sum(best) * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

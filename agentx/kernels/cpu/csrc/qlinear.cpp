@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -43,13 +44,24 @@ constexpr int kRowsInt4 = 6;
 using qlinear::kRowsWide;
 // Weight bytes (tiles, scales, mins) a block of tile pairs that all AVX-512 row passes take
 // before the next: on a 2-core Zen 4, 32-128 KB blocks made SmolLM2's int8 LM head from DRAM
-// 1.5-2x faster at 8-64 rows than one block per thread (or 256-512 KB); int4 layers (at most
-// ~0.5 MB a thread) ran the same
+// 1.5-2x faster at 8-64 rows than one block per thread (or 256-512 KB); int4 layers from
+// cache ran the same
 constexpr int64_t kBlockBytes = 128 * 1024;
-// A thread's share of weights up to this size stays one block: it comes back from L2 for every
-// pass anyway, and read as one long stream the first pass waits less on memory (in 128 KB
-// blocks, gate_up from memory ran 0.54-0.65 -> 0.91 ms at 64 rows, 0.26-0.33 -> 0.37 at 16)
-constexpr int64_t kShareInL2 = 512 * 1024;
+// A thread's share of weights up to share_in_l2() stays one block: it comes back from L2 for
+// every pass anyway, and read as one long stream the first pass waits less on memory (in 128 KB
+// blocks, gate_up from memory ran 0.54-0.65 -> 0.91 ms at 64 rows, 0.26-0.33 -> 0.37 at 16),
+// fetching its next tiles ahead (blocked shares do not, below). Three quarters of a core's L2,
+// at least 512 KB: SmolLM2's Q4_1 gate_up is 0.66 MB a thread at 2 threads (its scales and
+// mins a third of it), which a fixed 512 KB sent to blocks; one block on a Zen 4's 1 MB L2, 30
+// layers' GEMMs at 8 rows cycling through 80 MB of weights (2 threads, three alternated
+// rounds): gate_up 2.96-3.20 -> 2.56-2.67 ms, all four 6.14-6.54 -> 5.72-5.93 ms.
+int64_t share_in_l2() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return std::max<int64_t>(512 * 1024, l2 > 0 ? 3 * static_cast<int64_t>(l2) / 4 : 0);
+  }();
+  return bytes;
+}
 
 // Per row and group of 32: dx = amax / 127, xq = rint(x * 127 / amax), sx = dx * sum(xq).
 // Vectorized, with the scalar definition's exact results: the max and the integer sum are
@@ -271,16 +283,16 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
   // AVX2's int4 tiles take 6 rows a pass over their weights (Zen 2, one 576 x 1536 layer's
   // tiles: 78.6 GMAC/s a thread against 71.4 with 4 rows; int8 tiles run as fast with 4)
   const int64_t single_rows = int4 ? kRowsInt4 : kRows;
-  // AVX-512: a thread's share larger than kShareInL2 runs its row passes over blocks of about
-  // kBlockBytes of weights, so that a block read once from memory serves every pass from L2:
-  // the int8 LM head (28 MB at SmolLM2's shapes) was streamed from memory once a pass of up to
-  // 6 rows (3 times at 16 rows).
+  // AVX-512: a thread's share larger than share_in_l2() runs its row passes over blocks of
+  // about kBlockBytes of weights, so that a block read once from memory serves every pass from
+  // L2: the int8 LM head (28 MB at SmolLM2's shapes) was streamed from memory once a pass of up
+  // to 6 rows (3 times at 16 rows).
   const int64_t tile_weight_bytes = tile_bytes + groups * kTile * (int4 ? 8 : 4);
   const int64_t block_pairs = std::max<int64_t>(1, kBlockBytes / (2 * tile_weight_bytes));
   parallel_for(0, pairs + (tiles - 2 * pairs), 1, [&](int64_t u0, int64_t u1) {
     // work units: pairs [0, pairs), then single tiles 2 * pairs + (u - pairs)
     const int64_t p1 = std::min(u1, pairs);
-    const bool one_block = (p1 - u0) * 2 * tile_weight_bytes <= kShareInL2;
+    const bool one_block = (p1 - u0) * 2 * tile_weight_bytes <= share_in_l2();
     const int64_t step = one_block ? std::max<int64_t>(1, p1 - u0) : block_pairs;
     for (int64_t b0 = u0; b0 < p1; b0 += step) {
       const int64_t b1 = std::min(p1, b0 + step);

@@ -53,8 +53,9 @@ constexpr int64_t kBlockBytes = 128 * 1024;
 // fetching its next tiles ahead (blocked shares do not, below). Three quarters of a core's L2,
 // at least 512 KB: SmolLM2's Q4_1 gate_up is 0.66 MB a thread at 2 threads (its scales and
 // mins a third of it), which a fixed 512 KB sent to blocks; one block on a Zen 4's 1 MB L2, 30
-// layers' GEMMs at 8 rows cycling through 80 MB of weights (2 threads, three alternated
-// rounds): gate_up 2.96-3.20 -> 2.56-2.67 ms, all four 6.14-6.54 -> 5.72-5.93 ms.
+// layers' GEMMs at 8 rows cycling through 80 MB of weights (qlinear_bench.py --layers 30, 2
+// threads, six alternated rounds in two runs): gate_up 2.77-3.20 -> 2.50-2.67 ms, all four
+// 5.67-6.54 -> 5.48-5.93 ms.
 int64_t share_in_l2() {
   static const int64_t bytes = [] {
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);

@@ -69,12 +69,12 @@ def test_quantized_linear_rows_are_independent(bits):
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_linear_blocks_of_tiles_keep_every_row_alone(bits):
-    # 4,104 columns over K = 576: a thread's share (0.9-2.7 MB on 1 or 2 threads) is more than
-    # the 512 KB AVX-512 keeps as one block, so its row passes run over 128 KB blocks of tile
-    # pairs (36 int4 or 24 int8 tiles a block, ending partway through the share, the 513th
-    # tile alone; AVX2's over the whole share): 13 rows take every pass over every block, and
-    # each row equals itself computed alone
-    _, packed = _packed(4104, 576, bits, seed=11)
+    # 8,200 columns over K = 576: a thread's share (1.8-5.3 MB on 1 or 2 threads) is more than
+    # AVX-512 keeps as one block (3/4 of a core's L2: 1.5 MB at most on these machines' 2 MB),
+    # so its row passes run over 128 KB blocks of tile pairs (36 int4 or 24 int8 tiles a block,
+    # ending partway through the share, the 1,025th tile alone; AVX2's over the whole share):
+    # 13 rows take every pass over every block, and each row equals itself computed alone
+    _, packed = _packed(8200, 576, bits, seed=11)
     x = torch.randn(13, 576, generator=torch.Generator().manual_seed(12)) * 2
     isas = ("avx2", "avx512") if cpu.has_avx512() else ("avx2",)
     outs = []

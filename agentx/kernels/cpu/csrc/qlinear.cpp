@@ -51,15 +51,17 @@ constexpr int64_t kBlockBytes = 128 * 1024;
 // every pass anyway, and read as one long stream the first pass waits less on memory (in 128 KB
 // blocks, gate_up from memory ran 0.54-0.65 -> 0.91 ms at 64 rows, 0.26-0.33 -> 0.37 at 16),
 // fetching its next tiles ahead (blocked shares do not, below). Three quarters of a core's L2,
-// at least 512 KB: SmolLM2's Q4_1 gate_up is 0.66 MB a thread at 2 threads (its scales and
-// mins a third of it), which a fixed 512 KB sent to blocks; one block on a Zen 4's 1 MB L2, 30
-// layers' GEMMs at 8 rows cycling through 80 MB of weights (qlinear_bench.py --layers 30, 2
-// threads, six alternated rounds in two runs): gate_up 2.77-3.20 -> 2.50-2.67 ms, all four
-// 5.67-6.54 -> 5.48-5.93 ms.
+// within 512 KB and 1.5 MB (3/4 of the largest L2 here, 2 MB: a VM that reported its L3 as L2
+// would otherwise read the int8 LM head from memory once a row pass again). SmolLM2's Q4_1
+// gate_up is 0.66 MB a thread at 2 threads (its scales and mins a third of it), which a fixed
+// 512 KB sent to blocks; one block on a Zen 4's 1 MB L2, 30 layers' GEMMs at 8 rows cycling
+// through 80 MB of weights (qlinear_bench.py --layers 30, 2 threads, six alternated rounds in
+// two runs): gate_up 2.77-3.20 -> 2.50-2.67 ms, all four 5.67-6.54 -> 5.48-5.93 ms.
 int64_t share_in_l2() {
   static const int64_t bytes = [] {
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return std::max<int64_t>(512 * 1024, l2 > 0 ? 3 * static_cast<int64_t>(l2) / 4 : 0);
+    const int64_t share = l2 > 0 ? 3 * static_cast<int64_t>(l2) / 4 : 0;
+    return std::clamp<int64_t>(share, 512 * 1024, 1536 * 1024);
   }();
   return bytes;
 }

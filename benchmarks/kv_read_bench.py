@@ -9,7 +9,8 @@ int8's), so this read is the memory bound such a kernel can reach on this machin
 contiguous share of the block list, every 64-byte line of a block once, and prefetches the block
 ``--ahead`` places further (0: none), a line beside each line it reads, with ``--hint`` (t1, the
 attention kernel's, by default: into L2; t0, t2, nta; or "pages": only the first two lines of
-each 4 KB page the block spans, for the hardware prefetcher to follow). ``--huge-pages`` puts
+each 4 KB page the block spans, for the hardware prefetcher to follow; "t1x2" / "t1x4": T1 on
+every second / fourth line, for the L2's own prefetchers to fetch the rest). ``--huge-pages`` puts
 the pool on transparent huge pages (``CacheConfig.huge_pages``). Prints GB/s, the best of
 --rounds.
 
@@ -30,7 +31,7 @@ from torch.utils.cpp_extension import load_inline
 
 from agentx.engine.runner.kv_layout import allocate_zeroed
 
-HINTS = {"t0": 0, "t1": 1, "t2": 2, "nta": 3, "pages": 4}
+HINTS = {"t0": 0, "t1": 1, "t2": 2, "nta": 3, "pages": 4, "t1x2": 5, "t1x4": 6}
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -40,7 +41,8 @@ SOURCE = r"""
 // Every 64-byte line of blocks order[0..n) (block_bytes each, block b at pool + b * block_bytes),
 // `threads` threads a contiguous share of the list each; block i + ahead prefetched while block
 // i is read: a line a line read with hint 0 (T0), 1 (T1), 2 (T2) or 3 (NTA); with hint 4 only
-// the first two lines of each 4 KB page of it, at the block's start.
+// the first two lines of each 4 KB page of it, at the block's start; with hint 5 (6) T1 on every
+// second (fourth) line only, for the L2's own prefetchers to fetch the lines between.
 int64_t read_blocks(torch::Tensor pool, torch::Tensor order, int64_t block_bytes, int64_t ahead,
                     int64_t threads, int64_t hint) {
   const char* base = static_cast<const char*>(pool.data_ptr());
@@ -70,6 +72,8 @@ int64_t read_blocks(torch::Tensor pool, torch::Tensor order, int64_t block_bytes
             case 0: _mm_prefetch(next + off, _MM_HINT_T0); break;
             case 2: _mm_prefetch(next + off, _MM_HINT_T2); break;
             case 3: _mm_prefetch(next + off, _MM_HINT_NTA); break;
+            case 5: if (off % 128 == 0) _mm_prefetch(next + off, _MM_HINT_T1); break;
+            case 6: if (off % 256 == 0) _mm_prefetch(next + off, _MM_HINT_T1); break;
             default: _mm_prefetch(next + off, _MM_HINT_T1);
           }
         }

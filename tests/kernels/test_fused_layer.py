@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from agentx import kernels
 from agentx.engine.models.blocks import DecoderLayer, FusedLayers
 from agentx.engine.models.layers import MIXED, ColumnParallelLinear, QuantizableLinear
 from agentx.engine.models.llama import LlamaForCausalLM
@@ -24,7 +25,9 @@ from tests.helpers.models import TINY_LLAMA_SPEC, random_tokens
 from tests.helpers.paged_harness import Harness, Seq
 
 pytestmark = pytest.mark.skipif(
-    not cpu.available(), reason="the compiled CPU kernels need an AVX2 CPU and a C++ compiler"
+    not kernels.cpu_kernels_enabled(),
+    reason="the fused layer is a compiled CPU kernel: it needs an AVX2 CPU, a C++ compiler and "
+    "AGENTX_KERNELS other than ref or triton (models fuse only when the compiled kernels serve)",
 )
 
 # head_dim 64 (the kernel's smallest), GQA 3:1, two layers

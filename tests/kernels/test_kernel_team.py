@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from agentx import ConfigError, SamplingParams, env
+from agentx import ConfigError, SamplingParams, env, kernels
 from agentx.kernels import cpu
 
 pytestmark = pytest.mark.skipif(
@@ -137,6 +137,11 @@ def test_a_forked_child_gets_a_team_of_its_own():
     assert done.stdout.strip() == "child 0"  # it ran its loop on a new team of one loop
 
 
+@pytest.mark.skipif(
+    not kernels.cpu_kernels_enabled(),
+    reason="the compiled CPU kernels do not serve the engine's ops here (no AVX2 CPU or C++ "
+    "compiler, or AGENTX_KERNELS=ref / triton)",
+)
 def test_a_two_thread_decode_runs_on_the_team_with_one_threads_tokens(make_engine, greedy_prompts):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     one = make_engine(num_threads=1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, model_store
+from agentx import CacheConfig, Engine, EngineConfig, SamplingParams, kernels, model_store
 from agentx.engine.models.blocks import DecoderLayer
 from agentx.engine.models.layers import MIXED, QuantizableLinear
 from agentx.engine.models.loader import load_checkpoint
@@ -79,7 +79,11 @@ def test_kernel_equals_reference_on_real_rows():
         assert torch.equal(torch.ops.agentx.kquant_linear(rows, data, weight.kind, None), want)
 
 
-@pytest.mark.skipif(not cpu.available(), reason="the compiled CPU kernels are unavailable")
+@pytest.mark.skipif(
+    not kernels.cpu_kernels_enabled(),
+    reason="the engine keeps K-quant weights (and fuses its layers) where the compiled CPU kernels "
+    "serve its ops; without them (or under AGENTX_KERNELS=ref) it runs them as float32",
+)
 def test_engine_keeps_kquants_and_writes_code():
     engine = Engine(
         EngineConfig(model=NAME, num_threads=2, cache=CacheConfig(kv_cache_bytes=64 << 20))

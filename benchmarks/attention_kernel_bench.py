@@ -5,7 +5,7 @@ One call is one layer's attention (SmolLM2's shapes: 9 query heads, 3 KV heads, 
 SmolLM2's layers), so for contexts of 2K and more the working set is larger than L3 and each
 call streams its KV from memory; the blocks of a request sit in a random order of its pool
 (``--order random``, the default: the worst a cache that has run a while could leave them), in
-one run of consecutive ids (``runs``: what a fresh pool hands out, and 82-91% of a running
+one run of consecutive ids (``runs``: what a fresh pool hands out, and 78-91% of a running
 request's neighbouring blocks on a trace, ``kv_block_runs.py``) or in one run backwards
 (``descending``). Prints microseconds per call (the best of 5 rounds), milliseconds for 30
 layers, and the KV bytes read per second.

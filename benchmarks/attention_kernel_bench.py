@@ -60,7 +60,7 @@ def run(
             raw = allocate_zeroed(pool.shape[0], pool[0].numel() * pool.element_size(), CPU, True)
             pool = raw.view(pool.dtype).view(pool.shape).copy_(pool)
         pools.append(pool)
-    ids = torch.randperm(per_request * requests, generator=g)
+    ids = torch.randperm(per_request * requests, generator=g)  # drawn for every order: same q
     if order == "runs":  # each request's blocks consecutive, as a fresh pool hands them out
         ids = torch.arange(per_request * requests)
     if order == "descending":

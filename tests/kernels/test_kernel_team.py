@@ -137,11 +137,6 @@ def test_a_forked_child_gets_a_team_of_its_own():
     assert done.stdout.strip() == "child 0"  # it ran its loop on a new team of one loop
 
 
-@pytest.mark.skipif(
-    not kernels.cpu_kernels_enabled(),
-    reason="the compiled CPU kernels do not serve the engine's ops here (no AVX2 CPU or C++ "
-    "compiler, or AGENTX_KERNELS=ref / triton)",
-)
 def test_a_two_thread_decode_runs_on_the_team_with_one_threads_tokens(make_engine, greedy_prompts):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     one = make_engine(num_threads=1)
@@ -150,8 +145,9 @@ def test_a_two_thread_decode_runs_on_the_team_with_one_threads_tokens(make_engin
     before = _stats()["runs"]
     got = [g.token_ids for g in two.generate(greedy_prompts, greedy)]
     assert got == want
-    assert two.core.runner.step_threads == 2  # decode steps too (small_step_tokens=0)
-    assert _stats()["runs"] - before > 100  # its projections' and attention's loops
+    if kernels.cpu_kernels_enabled():  # the team runs the compiled kernels' loops (not ref's ops)
+        assert two.core.runner.step_threads == 2  # decode steps too (small_step_tokens=0)
+        assert _stats()["runs"] - before > 100  # its projections' and attention's loops
     two.check_integrity()
 
 

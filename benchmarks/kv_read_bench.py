@@ -10,13 +10,17 @@ contiguous share of the block list, every 64-byte line of a block once, and pref
 ``--ahead`` places further (0: none), a line beside each line it reads, with ``--hint`` (t1, the
 attention kernel's, by default: into L2; t0, t2, nta; or "pages": only the first two lines of
 each 4 KB page the block spans, for the hardware prefetcher to follow; "t1x2" / "t1x4": T1 on
-every second / fourth line, for the L2's own prefetchers to fetch the rest). ``--huge-pages`` puts
-the pool on transparent huge pages (``CacheConfig.huge_pages``). Prints GB/s, the best of
---rounds.
+every second / fourth line, for the L2's own prefetchers to fetch the rest). ``--within heads``
+reads each block's lines in the attention kernel's order instead of the memory's: chunks of
+``--chunk-blocks`` blocks (64 keys), in each one KV head at a time, its K rows of the chunk's
+blocks, then its V rows (``--heads`` heads, each row's ``--head-bytes`` at its place in the
+token's row), the prefetches as with ``lines``. ``--huge-pages`` puts the pool on transparent huge
+pages (``CacheConfig.huge_pages``). Prints GB/s, the best of --rounds.
 
     python benchmarks/kv_read_bench.py                          # bf16 blocks, 1 and 2 threads
     python benchmarks/kv_read_bench.py --block-bytes 6528 --ahead 0 1 2 4
     python benchmarks/kv_read_bench.py --threads 2 --hint t1 t2 t0 nta pages --huge-pages
+    python benchmarks/kv_read_bench.py --threads 2 --ahead 0 2 --within lines heads
 
 The reader is compiled at first run (``torch.utils.cpp_extension``, about a minute).
 """
@@ -88,6 +92,62 @@ int64_t read_blocks(torch::Tensor pool, torch::Tensor order, int64_t block_bytes
   }
   return total;
 }
+
+// The same lines in the attention kernel's order: chunks of chunk_blocks blocks (a thread's
+// share: whole chunks), in each chunk head h = 0 .. heads - 1: its K rows of the chunk's blocks
+// (head_bytes at h * head_bytes of each of a block's rows, rows row_bytes apart; K the block's
+// first half, V its second), then its V rows. While it reads, every line of the chunk `ahead`
+// chunks on is prefetched (T1, or hint 5 / 6: every second / fourth line), spread evenly: as
+// many lines a piece read as the piece has.
+int64_t read_heads(torch::Tensor pool, torch::Tensor order, int64_t block_bytes, int64_t ahead,
+                   int64_t threads, int64_t hint, int64_t chunk_blocks, int64_t heads,
+                   int64_t head_bytes) {
+  const char* base = static_cast<const char*>(pool.data_ptr());
+  const int64_t* o = order.data_ptr<int64_t>();
+  const int64_t chunks = order.numel() / chunk_blocks;
+  const int64_t row_bytes = heads * head_bytes, half = block_bytes / 2;
+  const int64_t rows = half / row_bytes, lines = block_bytes / 64;
+  int64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const int64_t id = omp_get_thread_num();
+    const int64_t c0 = chunks * id / threads, c1 = chunks * (id + 1) / threads;
+    __m256i acc = _mm256_setzero_si256();
+    int64_t fetch = (c0 + ahead) * chunk_blocks, fetch_line = 0;  // block, line in it
+    const int64_t fetch_end = c1 * chunk_blocks;
+    for (int64_t c = c0; c < c1; ++c) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t kv = 0; kv < 2; ++kv) {
+          for (int64_t b = c * chunk_blocks; b < (c + 1) * chunk_blocks; ++b) {
+            const char* p = base + o[b] * block_bytes + kv * half + h * head_bytes;
+            for (int64_t r = 0; r < rows; ++r) {
+              const char* row = p + r * row_bytes;
+              for (int64_t off = 0; off + 32 <= head_bytes; off += 32) {
+                const __m256i* piece = reinterpret_cast<const __m256i*>(row + off);
+                acc = _mm256_add_epi32(acc, _mm256_loadu_si256(piece));
+              }
+              const int64_t piece_lines = ahead > 0 ? (head_bytes + 63) / 64 : 0;
+              for (int64_t i = 0; i < piece_lines && fetch < fetch_end; ++i) {
+                const int64_t every = hint == 6 ? 4 : hint == 5 ? 2 : 1;
+                if (fetch_line % every == 0) {
+                  _mm_prefetch(base + o[fetch] * block_bytes + 64 * fetch_line, _MM_HINT_T1);
+                }
+                if (++fetch_line == lines) {
+                  fetch_line = 0;
+                  ++fetch;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+    for (int32_t v : lanes) total += v;
+  }
+  return total;
+}
 """
 
 
@@ -102,11 +162,21 @@ def main() -> None:
     parser.add_argument("--hint", nargs="*", choices=list(HINTS), default=["t1"])
     parser.add_argument("--huge-pages", action="store_true", help="the pool on 2 MiB pages")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--within",
+        nargs="*",
+        choices=["lines", "heads"],
+        default=["lines"],
+        help="each block's lines in memory order, or in the attention kernel's (see above)",
+    )
+    parser.add_argument("--chunk-blocks", type=int, default=4, help="blocks a chunk (heads)")
+    parser.add_argument("--heads", type=int, default=3, help="KV heads a token's row (heads)")
+    parser.add_argument("--head-bytes", type=int, default=128, help="a head's bytes a row (heads)")
     args = parser.parse_args()
     reader = load_inline(
         "agentx_kv_read_bench",
         cpp_sources=SOURCE,
-        functions=["read_blocks"],
+        functions=["read_blocks", "read_heads"],
         extra_cflags=["-O2", "-mavx2", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )
@@ -120,24 +190,36 @@ def main() -> None:
     nbytes = blocks * (args.block_bytes // 64 * 64)
     pages = " on huge pages" if args.huge_pages else ""
     print(f"{nbytes / 1e6:.0f} MB in {blocks} blocks of {args.block_bytes} bytes{pages}")
-    print("| blocks | threads | ahead | hint | GB/s | ms |")
-    print("|---|---|---|---|---|---|")
+    if "heads" in args.within and (
+        args.block_bytes % (2 * args.heads * args.head_bytes) or blocks % args.chunk_blocks
+    ):
+        parser.error("--within heads: a block's halves must be whole rows, the blocks whole chunks")
+    shape = (args.chunk_blocks, args.heads, args.head_bytes)
+    print("| blocks | within | threads | ahead | hint | GB/s | ms |")
+    print("|---|---|---|---|---|---|---|")
     for name, order in orders.items():
         for threads in args.threads:
             for ahead in args.ahead:
                 for hint in args.hint if ahead > 0 else ["-"]:
-                    run = (pool, order, args.block_bytes, ahead, threads, HINTS.get(hint, 1))
-                    reader.read_blocks(*run)
-                    best = float("inf")
-                    for _ in range(args.rounds):
-                        start = time.perf_counter()
-                        reader.read_blocks(*run)
-                        best = min(best, time.perf_counter() - start)
-                    print(
-                        f"| {name} | {threads} | {ahead} | {hint} | {nbytes / best / 1e9:.1f} | "
-                        f"{best * 1e3:.1f} |",
-                        flush=True,
-                    )
+                    for within in args.within:
+                        run = (pool, order, args.block_bytes, ahead, threads, HINTS.get(hint, 1))
+                        if within == "heads" and hint in ("t1", "t1x2", "t1x4", "-"):
+                            read = lambda run=run: reader.read_heads(*run, *shape)  # noqa: E731
+                        elif within == "heads":  # its prefetch takes T1 and its thinnings only
+                            continue
+                        else:
+                            read = lambda run=run: reader.read_blocks(*run)  # noqa: E731
+                        read()
+                        best = float("inf")
+                        for _ in range(args.rounds):
+                            start = time.perf_counter()
+                            read()
+                            best = min(best, time.perf_counter() - start)
+                        print(
+                            f"| {name} | {within} | {threads} | {ahead} | {hint} | "
+                            f"{nbytes / best / 1e9:.1f} | {best * 1e3:.1f} |",
+                            flush=True,
+                        )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ class AgentxOptions:
     quantization: str = "auto"
     kv_cache_bytes: int = 2 << 30
     kv_cache_dtype: str = "auto"  # CacheConfig.kv_cache_dtype ("int8": the codes in place)
+    block_size: int | None = None  # CacheConfig.block_size; None: its default
+    huge_pages: bool = False  # CacheConfig.huge_pages
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     decode_step_target_ms: float | None = None  # None: SchedulerConfig's default
@@ -62,7 +64,10 @@ class AgentxOptions:
                 else {"small_step_tokens": self.small_step_tokens}
             ),
             cache=CacheConfig(
-                kv_cache_bytes=self.kv_cache_bytes, kv_cache_dtype=self.kv_cache_dtype
+                kv_cache_bytes=self.kv_cache_bytes,
+                kv_cache_dtype=self.kv_cache_dtype,
+                huge_pages=self.huge_pages,
+                **({} if self.block_size is None else {"block_size": self.block_size}),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -84,6 +89,8 @@ class AgentxOptions:
             "quantization": self.quantization,
             "kv_cache_bytes": self.kv_cache_bytes,
             "kv_cache_dtype": self.kv_cache_dtype,
+            **({} if self.block_size is None else {"block_size": self.block_size}),
+            **({"huge_pages": True} if self.huge_pages else {}),
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "offload": str(self.offload) if self.offload else None,

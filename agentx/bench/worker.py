@@ -2,6 +2,7 @@
 
     python -m agentx.bench.worker --model PATH --threads N [--dtype D] [--quantization Q]
         [--kv-cache-gib G] [--kv-cache-dtype auto|float32|bfloat16|int8]
+        [--block-size N] [--huge-pages]
         [--backend agentx|vllm] [--tp N --dcp N --pcp N --ep N --dp N]
 
 ``--tp/--dcp/--pcp/--ep/--dp`` are agentx's ``ParallelConfig`` degrees (``dp > 1``: a
@@ -56,6 +57,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         choices=("auto", "float32", "bfloat16", "int8"),
         help="CacheConfig.kv_cache_dtype (the agentx backend)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="CacheConfig.block_size, tokens a KV block (the agentx backend; default: its own)",
+    )
+    p.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="CacheConfig.huge_pages: the KV pool on transparent huge pages (the agentx backend)",
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -185,6 +197,8 @@ def agentx_options(args: argparse.Namespace) -> AgentxOptions:
         quantization=args.quantization,
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
         kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        huge_pages=args.huge_pages,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_step_target_ms=args.decode_step_target_ms,

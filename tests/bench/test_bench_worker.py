@@ -116,6 +116,21 @@ def test_kv_cache_dtype_flag_reaches_the_engine_config():
         parse_args(["--kv-cache-dtype", "int4"])
 
 
+def test_block_size_and_huge_pages_flags_reach_the_engine_config():
+    from agentx import CacheConfig
+    from agentx.bench.worker import agentx_options, parse_args
+
+    default = agentx_options(parse_args([]))
+    assert default.engine_config().cache.block_size == CacheConfig().block_size == 16
+    assert default.engine_config().cache.huge_pages is False
+    assert "block_size" not in default.describe() and "huge_pages" not in default.describe()
+    options = agentx_options(parse_args(["--block-size", "64", "--huge-pages"]))
+    cache = options.engine_config().cache
+    assert (cache.block_size, cache.huge_pages) == (64, True)
+    assert options.describe()["block_size"] == 64
+    assert options.describe()["huge_pages"] is True
+
+
 def test_parallel_flags_reach_the_engine_config():
     from agentx import ParallelConfig
     from agentx.bench.worker import agentx_options, parse_args

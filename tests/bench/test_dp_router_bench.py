@@ -1,29 +1,19 @@
 """The DP router bench (benchmarks/dp_router_bench.py): its table, and one tiny replay in which a
 session moves to the idle replica, held KV and all, while its tool runs."""
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from agentx.bench.format_agentx import dump_agentx
 from agentx.bench.metrics import RunMetrics
 from agentx.bench.trace import SessionTrace, Trace, TraceRequest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.scripts import load_script
 
 
 def _script(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports offload_bench
-    path = ROOT / "benchmarks" / "dp_router_bench.py"
-    spec = importlib.util.spec_from_file_location("dp_router_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "dp_router_bench", module)  # its dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(monkeypatch, "dp_router_bench")
 
 
 def test_table_has_the_tool_wait_columns(monkeypatch):

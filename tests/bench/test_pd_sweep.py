@@ -2,11 +2,8 @@
 the best split at an interactivity floor, the predictions from a hand-made profile, the
 command's errors, and one tiny run through the real coordinator and router."""
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -24,17 +21,11 @@ from agentx.bench.pd_sweep import (
 from agentx.bench.saturate import PROFILE_KIND
 from agentx.bench.synth import SynthConfig, synthesize
 from agentx.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.scripts import load_script
 
 
 def _script(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports dp_router_bench
-    spec = importlib.util.spec_from_file_location("pd_sweep", ROOT / "benchmarks" / "pd_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "pd_sweep", module)  # its dataclasses look it up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(monkeypatch, "pd_sweep")
 
 
 # ---- splits ------------------------------------------------------------------------------

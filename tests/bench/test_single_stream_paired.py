@@ -2,24 +2,15 @@
 to each engine in turn (the order rotating), each round's TTFT over the first engine's."""
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from agentx.bench.adapter import Done, EngineInfo, Tokens
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.scripts import load_script
 
 
 def _script(monkeypatch):
-    path = ROOT / "benchmarks" / "single_stream.py"
-    spec = importlib.util.spec_from_file_location("single_stream", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "single_stream", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(monkeypatch, "single_stream")
 
 
 class Clock:

@@ -1,25 +1,17 @@
 """benchmarks/step_ab.py: two engine configurations' decode steps in turn, in one process, each
 round building the pair in the other order."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
 from agentx import CacheConfig, EngineConfig
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.scripts import load_script
 
 
 @pytest.fixture
 def step_ab(monkeypatch):
-    path = ROOT / "benchmarks" / "step_ab.py"
-    spec = importlib.util.spec_from_file_location("step_ab", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "step_ab", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(monkeypatch, "step_ab")
 
 
 def test_settings_apply_to_the_config_and_its_cache(step_ab):

@@ -6,8 +6,9 @@ other compare minutes as much as configurations. This builds both engines (``Eng
 engine thread), gives each the same ``--decoders`` prompts of ``--context`` random tokens, steps
 both until every request decodes, then times ``--steps`` decode steps of each, A and B in turn
 (each first every other time), so both see the same minutes. In A / A runs the engine built
-second ran 2-4% faster on a Zen 4 VM (an engine built and closed before both did not change
-that), so each of ``--rounds`` builds a fresh pair, in the other order than the round before.
+second ran 2-4% faster on a Zen 4 VM with its pool on 4 KiB pages (an engine built and closed
+before both did not change that; on huge pages neither ran faster), so each of ``--rounds``
+builds a fresh pair, in the other order than the round before.
 
 It prints each round's medians, each configuration's median step and quartiles over all rounds,
 and B - A: in each round the median of the paired differences (step i of B against step i of A,

@@ -173,6 +173,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=3, help="KV heads a token's row (heads)")
     parser.add_argument("--head-bytes", type=int, default=128, help="a head's bytes a row (heads)")
     args = parser.parse_args()
+    blocks = args.requests * (args.context // 16 + 1) * args.layers
+    if "heads" in args.within and (
+        args.block_bytes % (2 * args.heads * args.head_bytes) or blocks % args.chunk_blocks
+    ):
+        parser.error("--within heads: a block's halves must be whole rows, the blocks whole chunks")
     reader = load_inline(
         "agentx_kv_read_bench",
         cpp_sources=SOURCE,
@@ -180,7 +185,6 @@ def main() -> None:
         extra_cflags=["-O2", "-mavx2", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )
-    blocks = args.requests * (args.context // 16 + 1) * args.layers
     pool = allocate_zeroed(blocks, args.block_bytes, torch.device("cpu"), args.huge_pages)
     pool.view(torch.int32).copy_(torch.randint(0, 100, (blocks, args.block_bytes // 4)))
     orders = {
@@ -190,10 +194,6 @@ def main() -> None:
     nbytes = blocks * (args.block_bytes // 64 * 64)
     pages = " on huge pages" if args.huge_pages else ""
     print(f"{nbytes / 1e6:.0f} MB in {blocks} blocks of {args.block_bytes} bytes{pages}")
-    if "heads" in args.within and (
-        args.block_bytes % (2 * args.heads * args.head_bytes) or blocks % args.chunk_blocks
-    ):
-        parser.error("--within heads: a block's halves must be whole rows, the blocks whole chunks")
     shape = (args.chunk_blocks, args.heads, args.head_bytes)
     print("| blocks | within | threads | ahead | hint | GB/s | ms |")
     print("|---|---|---|---|---|---|---|")

@@ -14,7 +14,8 @@ every second / fourth line, for the L2's own prefetchers to fetch the rest). ``-
 reads each block's lines in the attention kernel's order instead of the memory's: chunks of
 ``--chunk-blocks`` blocks (64 keys), in each one KV head at a time, its K rows of the chunk's
 blocks, then its V rows (``--heads`` heads, each row's ``--head-bytes`` at its place in the
-token's row), the prefetches as with ``lines``. ``--huge-pages`` puts the pool on transparent huge
+token's row), prefetching as ``lines`` does with t1, t1x2 or t1x4 (its other
+hints are rows of ``lines`` only). ``--huge-pages`` puts the pool on transparent huge
 pages (``CacheConfig.huge_pages``). Prints GB/s, the best of --rounds.
 
     python benchmarks/kv_read_bench.py                          # bf16 blocks, 1 and 2 threads

@@ -99,8 +99,8 @@ needs_avx512 = pytest.mark.skipif(
 
 @needs_avx512
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m", [1, 2, 5, 33])
-@pytest.mark.parametrize("n", [8, 24, 40, 64, 968])  # odd tile counts take the AVX2 tile
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 33])  # 8, 33: sub-blocks of two and six passes
+@pytest.mark.parametrize("n", [8, 24, 40, 64, 112, 968])  # odd tile counts take the AVX2 tile
 def test_quantized_linear_avx512_equals_avx2(bits, m, n):
     _, packed = _packed(n, 96, bits, seed=n)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m)) * 2

@@ -47,6 +47,19 @@ using qlinear::kRowsWide;
 // 1.5-2x faster at 8-64 rows than one block per thread (or 256-512 KB); int4 layers from
 // cache ran the same
 constexpr int64_t kBlockBytes = 128 * 1024;
+// A share of one block (below) runs as sub-blocks of this many tile pairs, each sub-block's row
+// passes one after another, so that a sub-block read from memory by the first pass serves the
+// others from L1, and the reads of the next one spread over all of them. Passes over the whole
+// share, the first fetching ahead alone, left the weights' read in the first pass: a decode
+// step's GEMMs (8 rows: two passes) from memory ran about as long as their compute plus their
+// read (qlinear_bench.py --rows 8 --layers 30, 2 threads, Zen 4, 3 alternated rounds: 5.3-6.7 ->
+// 4.6-4.9 ms; 1 / 2 / 3 / 4 / 8 pairs: 5.0-5.2 / 4.6-5.3 / 4.8-4.9 / 4.7-5.8 / 4.9-5.5; the
+// 8 x 2K decode step, one engine switching each step: -0.85 to -1.17 ms, 3-5%; 16 / 32 rows:
+// 8.6-10.1 -> 7.5-9.8 / 14.7-24.4 -> 13.3-16.2 ms). Up to kSubBlockPasses passes: with more, the
+// rows' activations (each sub-block reads all of them) outgrow L1 (64 rows: even, 512 rows: 7-10%
+// slower than passes over the whole share).
+constexpr int64_t kSubPairs = 2;
+constexpr int64_t kSubBlockPasses = 6;
 // A thread's share of weights up to share_in_l2() stays one block: it comes back from L2 for
 // every pass anyway, and read as one long stream the first pass waits less on memory (in 128 KB
 // blocks, gate_up from memory ran 0.54-0.65 -> 0.91 ms at 64 rows, 0.26-0.33 -> 0.37 at 16),
@@ -296,23 +309,38 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
     // work units: pairs [0, pairs), then single tiles 2 * pairs + (u - pairs)
     const int64_t p1 = std::min(u1, pairs);
     const bool one_block = (p1 - u0) * 2 * tile_weight_bytes <= share_in_l2();
-    const int64_t step = one_block ? std::max<int64_t>(1, p1 - u0) : block_pairs;
+    // AVX-512: passes of up to kRowsWide rows, the rows split evenly among them (8 rows: two
+    // passes of 4, not 6 and 2). A share of one block runs as sub-blocks of kSubPairs pairs when
+    // it takes at most kSubBlockPasses passes, every pass over one before the next, the passes
+    // fetching the next sub-block's tiles between them (pass i its i-th part); with more passes
+    // each runs over the whole share, the first fetching the tiles four on as it reads. Blocked
+    // shares fetch nothing: the int8 LM head's long runs the hardware prefetcher follows, and
+    // fetching ahead made it slower (from memory at 8 rows, 3 alternated rounds: 1.55-1.67 ->
+    // 1.83-2.05 ms; Zen 4; nor did sub-blocks fetching ahead pay there: +0.1 ms a decode step)
+    const int64_t npass = (m + kRowsWide - 1) / kRowsWide;
+    const bool sub_blocks = one_block && npass <= kSubBlockPasses;
+    const int64_t step = sub_blocks ? kSubPairs : one_block ? std::max<int64_t>(1, p1 - u0)
+                                                            : block_pairs;
     for (int64_t b0 = u0; b0 < p1; b0 += step) {
       const int64_t b1 = std::min(p1, b0 + step);
-      // AVX-512: passes of up to kRowsWide rows, the rows split evenly among them (8 rows:
-      // two passes of 4, not 6 and 2). A share of one block: its first pass fetches its next tiles
-      // ahead (the passes after it read them from L2). Blocked shares do not: the int8 LM
-      // head's long runs the hardware prefetcher follows, and fetching ahead made it slower
-      // (from memory at 8 rows, 3 alternated rounds: 1.55-1.67 -> 1.83-2.05 ms; Zen 4)
-      for (int64_t r0 = 0, rows; r0 < m; r0 += rows) {
+      const int64_t next1 = sub_blocks ? std::min(p1, b1 + step) : b1;  // pairs [b1, next1)
+      int64_t pass = 0;
+      for (int64_t r0 = 0, rows; r0 < m; r0 += rows, ++pass) {
         const int64_t passes = (m - r0 + kRowsWide - 1) / kRowsWide;
         rows = (m - r0 + passes - 1) / passes;
         float* out[kRowsWide];
         for (int64_t r = 0; r < rows; ++r) out[r] = y + (r0 + r) * ldy + 2 * b0 * kTile;
+        int64_t fetch0 = 0, fetch1 = 0;  // tiles
+        if (sub_blocks) {
+          fetch0 = 2 * (b1 + (next1 - b1) * pass / npass);
+          fetch1 = 2 * (b1 + (next1 - b1) * (pass + 1) / npass);
+        } else if (one_block && pass == 0) {
+          fetch0 = std::min(2 * b0 + 4, 2 * b1);
+          fetch1 = 2 * b1;
+        }
         quantized_tiles_avx512(rows, 2 * b0, 2 * b1, int4, wp, tile_bytes, sp, mp,
                                xqp + r0 * k, dxp + r0 * groups, sxp + r0 * groups,
-                               xsump ? xsump + r0 * groups : nullptr, k, out,
-                               r0 == 0 && one_block);
+                               xsump ? xsump + r0 * groups : nullptr, k, out, fetch0, fetch1);
       }
     }
     float buf[kRowsInt4][kTile];
@@ -320,7 +348,8 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
     for (int r = 0; r < kRowsInt4; ++r) out[r] = buf[r];
     // AVX2 (every tile) and AVX-512's odd last tile: passes over the whole share. Blocks gained
     // nothing on AVX2 (Zen 4 capped to AVX2, the int8 LM head at 8-64 rows: its loop is bound by
-    // its multiplies, not by the reads it repeats)
+    // its multiplies, not by the reads it repeats), nor did AVX-512's sub-blocks fetching ahead
+    // (30 layers at 8 rows: 7.8-12.7 ms either way, a noisy hour)
     for (int64_t r0 = 0; r0 < m; r0 += single_rows) {
       const int64_t rows = std::min<int64_t>(single_rows, m - r0);
       for (int64_t u = std::max(u0, pairs); u < u1; ++u) {

@@ -41,8 +41,9 @@ AGENTX_AVX512 inline __m512 load_pair_ps(const float* p, int64_t tile_stride) {
                             _mm256_loadu_ps(p + tile_stride), 1);
 }
 
-// The weights of the next tiles a pass reads (their packed bytes, scales and mins: three runs),
-// brought into the caches a few lines a group of the tiles being read. A thread's four tiles at
+// The weights of tiles a pass will read (their packed bytes, scales and mins: three runs; the
+// next sub-block's part, qlinear.cpp), brought into the caches a few lines a group of the tiles
+// being read. A thread's four tiles at
 // a time are twelve short streams (2.3 KB each at K = 576) that the hardware prefetcher hardly
 // starts on before they end; a decode step's GEMMs find their weights in DRAM, the KV read
 // since the layer before having evicted them (8 rows x 30 SmolLM2 layers between attention
@@ -204,13 +205,16 @@ AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, 
                                           const float* scale, const float* mins,
                                           const int8_t* xq, const float* dx, const float* sx,
                                           const int32_t* xsum, int64_t k, float* const* out,
-                                          bool fetch_ahead) {
+                                          int64_t fetch0, int64_t fetch1) {
   const int64_t groups = k / kGroup, tile_floats = groups * kTile;
   float* o[qlinear::kRowsWide];
-  // with fetch_ahead: tiles [t + n, t + n + 4) (or fewer at the end) while [t, t + n) are read
-  const auto ahead_of = [&](int64_t t, int64_t n, Ahead* a) -> const Ahead* {
-    const int64_t next = t + n, count = std::min<int64_t>(4, t1 - next);
-    if (!fetch_ahead || count <= 0) return nullptr;
+  // batch i of the nb batches (four tiles, an even last one fewer) fetches its part of
+  // [fetch0, fetch1): tiles [fetch0 + n i / nb, fetch0 + n (i + 1) / nb), n = fetch1 - fetch0
+  const int64_t nb = (t1 - t0 + 3) / 4, n = fetch1 - fetch0;
+  const auto ahead_of = [&](int64_t t, Ahead* a) -> const Ahead* {
+    const int64_t i = (t - t0) / 4, next = fetch0 + n * i / nb;
+    const int64_t count = fetch0 + n * (i + 1) / nb - next;
+    if (count <= 0) return nullptr;
     const char* base[3] = {reinterpret_cast<const char*>(w + next * tile_bytes),
                            reinterpret_cast<const char*>(scale + next * tile_floats),
                            mins ? reinterpret_cast<const char*>(mins + next * tile_floats)
@@ -230,14 +234,14 @@ AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, 
     Ahead a;
     run_rows<2>(rows, int4, w + t * tile_bytes, tile_bytes, scale + t * tile_floats,
                 mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, xsum, k, o,
-                ahead_of(t, 4, &a));
+                ahead_of(t, &a));
   }
   for (; t < t1; t += 2) {
     for (int64_t r = 0; r < rows; ++r) o[r] = out[r] + (t - t0) * kTile;
     Ahead a;
     run_rows<1>(rows, int4, w + t * tile_bytes, tile_bytes, scale + t * tile_floats,
                 mins ? mins + t * tile_floats : nullptr, tile_floats, xq, dx, sx, xsum, k, o,
-                ahead_of(t, 2, &a));
+                ahead_of(t, &a));
   }
 }
 

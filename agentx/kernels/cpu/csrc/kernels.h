@@ -45,13 +45,13 @@ bool cpu_has_amx();  // AMX-TILE and AMX-INT8, and the OS lets this process use 
 // AVX-512 VNNI tiles [t0, t1) (an even count) of up to kRowsWide (6) rows (qlinear_avx512.cpp);
 // out[r] points at row r's column 8 t0. The same arithmetic as qlinear.cpp's AVX2 tiles. xsum
 // (int8 weights; null for int4): 128 times each (row, group)'s sum of xq. The weights of tiles
-// [fetch0, fetch1) (an even count, none when equal) are brought into the caches while these are
-// read, spread evenly over them.
+// [fetch0, fetch1) (none when equal) are brought into the caches while these are read, spread
+// evenly over them: into L1, or with to_l2 into L2.
 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, bool int4, const uint8_t* w,
                             int64_t tile_bytes, const float* scale, const float* mins,
                             const int8_t* xq, const float* dx, const float* sx,
                             const int32_t* xsum, int64_t k, float* const* out, int64_t fetch0,
-                            int64_t fetch1);
+                            int64_t fetch1, bool to_l2);
 
 // GGUF K-quant weights (qlinear_kquant.cpp): the type ids are GGML's, and a layer's "bits"
 // may be one of them (quantized_linear_into then multiplies through the K-quant kernel).

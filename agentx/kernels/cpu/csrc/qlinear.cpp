@@ -57,7 +57,9 @@ constexpr int64_t kBlockBytes = 128 * 1024;
 // 8 x 2K decode step, one engine switching each step: -0.85 to -1.17 ms, 3-5%; 16 / 32 rows:
 // 8.6-10.1 -> 7.5-9.8 / 14.7-24.4 -> 13.3-16.2 ms). Up to kSubBlockPasses passes: with more, the
 // rows' activations (each sub-block reads all of them) outgrow L1 (64 rows: even, 512 rows: 7-10%
-// slower than passes over the whole share).
+// slower than passes over the whole share). Blocks of a larger share likewise (the int8 LM
+// head's, 8 x 2K decode steps switched step by step: -0.42 to -0.80 ms with blocks of 8-24 pairs
+// fetched into L2, none fetched into L1).
 constexpr int64_t kSubPairs = 2;
 constexpr int64_t kSubBlockPasses = 6;
 // A thread's share of weights up to share_in_l2() stays one block: it comes back from L2 for
@@ -310,20 +312,20 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
     const int64_t p1 = std::min(u1, pairs);
     const bool one_block = (p1 - u0) * 2 * tile_weight_bytes <= share_in_l2();
     // AVX-512: passes of up to kRowsWide rows, the rows split evenly among them (8 rows: two
-    // passes of 4, not 6 and 2). A share of one block runs as sub-blocks of kSubPairs pairs when
-    // it takes at most kSubBlockPasses passes, every pass over one before the next, the passes
-    // fetching the next sub-block's tiles between them (pass i its i-th part); with more passes
-    // each runs over the whole share, the first fetching the tiles four on as it reads. Blocked
-    // shares fetch nothing: the int8 LM head's long runs the hardware prefetcher follows, and
-    // fetching ahead made it slower (from memory at 8 rows, 3 alternated rounds: 1.55-1.67 ->
-    // 1.83-2.05 ms; Zen 4; nor did sub-blocks fetching ahead pay there: +0.1 ms a decode step)
+    // passes of 4, not 6 and 2). Up to kSubBlockPasses passes, every pass runs over a block
+    // before the next block, and the passes fetch the next block between them (pass i its i-th
+    // part): a share of one block as sub-blocks of kSubPairs pairs (into L1), a larger share in
+    // its blocks of about kBlockBytes (into L2: the int8 LM head, whose long runs fetched into L1
+    // ran no faster, and fetched into L1 by the first pass alone slower: 1.55-1.67 -> 1.83-2.05
+    // ms from memory at 8 rows, 3 alternated rounds, Zen 4). With more passes each pass runs over
+    // the whole share (one block: the first fetching the tiles four on as it reads) or its block.
     const int64_t npass = (m + kRowsWide - 1) / kRowsWide;
-    const bool sub_blocks = one_block && npass <= kSubBlockPasses;
-    const int64_t step = sub_blocks ? kSubPairs : one_block ? std::max<int64_t>(1, p1 - u0)
-                                                            : block_pairs;
+    const bool spread = npass <= kSubBlockPasses;
+    const int64_t step = one_block ? (spread ? kSubPairs : std::max<int64_t>(1, p1 - u0))
+                                   : block_pairs;
     for (int64_t b0 = u0; b0 < p1; b0 += step) {
       const int64_t b1 = std::min(p1, b0 + step);
-      const int64_t next1 = sub_blocks ? std::min(p1, b1 + step) : b1;  // pairs [b1, next1)
+      const int64_t next1 = spread ? std::min(p1, b1 + step) : b1;  // pairs [b1, next1)
       int64_t pass = 0;
       for (int64_t r0 = 0, rows; r0 < m; r0 += rows, ++pass) {
         const int64_t passes = (m - r0 + kRowsWide - 1) / kRowsWide;
@@ -331,7 +333,7 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
         float* out[kRowsWide];
         for (int64_t r = 0; r < rows; ++r) out[r] = y + (r0 + r) * ldy + 2 * b0 * kTile;
         int64_t fetch0 = 0, fetch1 = 0;  // tiles
-        if (sub_blocks) {
+        if (spread) {
           fetch0 = 2 * (b1 + (next1 - b1) * pass / npass);
           fetch1 = 2 * (b1 + (next1 - b1) * (pass + 1) / npass);
         } else if (one_block && pass == 0) {
@@ -340,7 +342,8 @@ void quantized_linear_into(const float* x, int64_t m, int64_t k, const at::Tenso
         }
         quantized_tiles_avx512(rows, 2 * b0, 2 * b1, int4, wp, tile_bytes, sp, mp,
                                xqp + r0 * k, dxp + r0 * groups, sxp + r0 * groups,
-                               xsump ? xsump + r0 * groups : nullptr, k, out, fetch0, fetch1);
+                               xsump ? xsump + r0 * groups : nullptr, k, out, fetch0, fetch1,
+                               !one_block);
       }
     }
     float buf[kRowsInt4][kTile];

@@ -41,22 +41,27 @@ AGENTX_AVX512 inline __m512 load_pair_ps(const float* p, int64_t tile_stride) {
                             _mm256_loadu_ps(p + tile_stride), 1);
 }
 
-// The weights of tiles a pass will read (their packed bytes, scales and mins: three runs; the
-// next sub-block's part, qlinear.cpp), brought into the caches a few lines a group of the tiles
-// being read. A thread's four tiles at
-// a time are twelve short streams (2.3 KB each at K = 576) that the hardware prefetcher hardly
-// starts on before they end; a decode step's GEMMs find their weights in DRAM, the KV read
-// since the layer before having evicted them (8 rows x 30 SmolLM2 layers between attention
-// calls: 6.9-7.3 -> 6.2-6.5 ms, 3 alternated rounds, Zen 4).
+// The weights of tiles a pass will read (their packed bytes, scales and mins: three runs; its
+// part of the next sub-block or block, qlinear.cpp), brought into the caches a few lines a group
+// of the tiles being read. A thread's four tiles at a time are twelve short streams (2.3 KB each
+// at K = 576) that the hardware prefetcher hardly starts on before they end; a decode step's
+// GEMMs find their weights in DRAM, the KV read since the layer before having evicted them
+// (8 rows x 30 SmolLM2 layers between attention calls: 6.9-7.3 -> 6.2-6.5 ms, 3 alternated
+// rounds, Zen 4).
 struct Ahead {
   const char* p[3] = {nullptr, nullptr, nullptr};
   int64_t bytes[3] = {0, 0, 0};
   int64_t per_group[3] = {0, 0, 0};  // lines a group
+  bool to_l2 = false;  // T1, else T0
 
   AGENTX_AVX512 __attribute__((always_inline)) inline void step(int64_t g) const {
     for (int s = 0; s < 3; ++s) {
       for (int64_t i = g * per_group[s]; i < (g + 1) * per_group[s] && 64 * i < bytes[s]; ++i) {
-        _mm_prefetch(p[s] + 64 * i, _MM_HINT_T0);
+        if (to_l2) {
+          _mm_prefetch(p[s] + 64 * i, _MM_HINT_T1);
+        } else {
+          _mm_prefetch(p[s] + 64 * i, _MM_HINT_T0);
+        }
       }
     }
   }
@@ -205,7 +210,7 @@ AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, 
                                           const float* scale, const float* mins,
                                           const int8_t* xq, const float* dx, const float* sx,
                                           const int32_t* xsum, int64_t k, float* const* out,
-                                          int64_t fetch0, int64_t fetch1) {
+                                          int64_t fetch0, int64_t fetch1, bool to_l2) {
   const int64_t groups = k / kGroup, tile_floats = groups * kTile;
   float* o[qlinear::kRowsWide];
   // batch i of the nb batches (four tiles, an even last one fewer) fetches its part of
@@ -226,6 +231,7 @@ AGENTX_AVX512 void quantized_tiles_avx512(int64_t rows, int64_t t0, int64_t t1, 
       a->bytes[s] = bytes[s];
       a->per_group[s] = ((bytes[s] + 63) / 64 + groups - 1) / groups;
     }
+    a->to_l2 = to_l2;
     return a;
   };
   int64_t t = t0;

@@ -52,8 +52,8 @@ constexpr int64_t kBlockBytes = 128 * 1024;
 // others from L1, and the reads of the next one spread over all of them. Passes over the whole
 // share, the first fetching ahead alone, left the weights' read in the first pass: a decode
 // step's GEMMs (8 rows: two passes) from memory ran about as long as their compute plus their
-// read (qlinear_bench.py --rows 8 --layers 30, 2 threads, Zen 4, 3 alternated rounds: 5.3-6.7 ->
-// 4.6-4.9 ms; 1 / 2 / 3 / 4 / 8 pairs: 5.0-5.2 / 4.6-5.3 / 4.8-4.9 / 4.7-5.8 / 4.9-5.5; the
+// read (qlinear_bench.py --rows 8 --layers 30, 2 threads, Zen 4, 6 alternated rounds: 5.3-6.7 ->
+// 4.6-5.3 ms; 1 / 2 / 3 / 4 / 8 pairs: 5.0-5.2 / 4.6-5.3 / 4.8-4.9 / 4.7-5.8 / 4.9-5.5; the
 // 8 x 2K decode step, one engine switching each step: -0.85 to -1.17 ms, 3-5%; 16 / 32 rows:
 // 8.6-10.1 -> 7.5-9.8 / 14.7-24.4 -> 13.3-16.2 ms). Up to kSubBlockPasses passes: with more, the
 // rows' activations (each sub-block reads all of them) outgrow L1 (64 rows: even, 512 rows: 7-10%
